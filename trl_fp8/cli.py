@@ -1,0 +1,165 @@
+"""The ``trl-fp8`` command line.
+
+- ``trl-fp8 demo [--output-dir DIR]``: the offline demo (GRPO on the embedded model and task, CPU).
+- ``trl-fp8 grpo --config recipe.yaml [--field value ...]``: the arguments of ``trl grpo``, launched through
+  ``accelerate launch`` like ``trl grpo``, trained with ``trl_fp8.GRPOTrainer``.
+- ``trl-fp8 plot METRICS.jsonl [--output-dir DIR]``: redraw the PNG report of a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+
+GRPO_MODULE = "trl_fp8.scripts.grpo"
+
+
+class RecipeKeyError(ValueError):
+    """A recipe or command-line key that neither the GRPO script nor ``accelerate launch`` knows."""
+
+
+def _option_names(parser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
+
+
+def check_unknown_keys(config_remaining: list[str], cli_remaining: list[str], script_parser, config_path=None):
+    """Raise :class:`RecipeKeyError` for a leftover key that ``accelerate launch`` would not take either.
+
+    ``trl grpo`` forwards every key it does not know to ``accelerate launch``; a typo then surfaces as an
+    obscure launcher error (or not at all). Here it fails at once, naming the key and close matches.
+    """
+    from accelerate.commands.launch import launch_command_parser
+
+    launch_options = _option_names(launch_command_parser()) | {"--accelerate_config"}
+    known = sorted(launch_options | _option_names(script_parser))
+    for source, strings in (("recipe", config_remaining), ("command line", cli_remaining)):
+        for token in strings:
+            if not token.startswith("--"):
+                continue
+            option = token.split("=", 1)[0]
+            if option in launch_options:
+                continue
+            key = option[2:]
+            guesses = difflib.get_close_matches(option, known, n=3, cutoff=0.75)
+            where = f"in {config_path}" if source == "recipe" and config_path else f"on the {source}"
+            hint = f" Did you mean {', '.join(repr(g[2:]) for g in guesses)}?" if guesses else ""
+            raise RecipeKeyError(
+                f"Unknown key '{key}' {where}: it is not a field of GRPOConfig, ModelConfig or the script "
+                f"arguments, nor an `accelerate launch` option.{hint}"
+            )
+
+
+def _subtract_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
+    """``items`` without the ordered ``subsequence`` (tokens that go to the launcher, not the script)."""
+    it = iter(subsequence)
+    current = next(it, None)
+    kept = []
+    for item in items:
+        if current is not None and item == current:
+            current = next(it, None)
+        else:
+            kept.append(item)
+    return kept
+
+
+def prepare_grpo_launch(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Validate ``trl-fp8 grpo`` arguments; return (accelerate launch args, script args).
+
+    Parsing builds ``GRPOConfig``, so invalid values fail here, before anything is launched.
+    """
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    from .scripts.grpo import make_parser
+
+    parser = make_parser(prog="trl-fp8 grpo")
+    config_path = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    *_, config_remaining, cli_remaining = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    check_unknown_keys(config_remaining, cli_remaining, parser, config_path)
+    launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
+    script_args = _subtract_subsequence(argv, cli_remaining)
+    return launch_args, script_args
+
+
+def cmd_grpo(argv: list[str]) -> int:
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    launch_args, script_args = prepare_grpo_launch(argv)
+    accelerate_args = launch_command_parser().parse_args(launch_args + ["--module", GRPO_MODULE] + script_args)
+    launch_command(accelerate_args)
+    return 0
+
+
+def cmd_demo(argv: list[str]) -> int:
+    from .demo.run import DemoSettings, format_summary, run_demo
+
+    defaults = DemoSettings()
+    p = argparse.ArgumentParser(prog="trl-fp8 demo", description="GRPO on the embedded model and arithmetic "
+                                "task, offline, on CPU; writes metrics.jsonl, PNG plots and the model.")
+    p.add_argument("--output-dir", default=defaults.output_dir, help="where the report goes (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=defaults.max_steps, help="GRPO steps (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    settings = DemoSettings(output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed,
+                            progress=not args.no_progress)
+    summary = run_demo(settings)
+    print(format_summary(summary))
+    return 0
+
+
+def cmd_plot(argv: list[str]) -> int:
+    import os
+
+    from .report import plot_metrics
+
+    p = argparse.ArgumentParser(prog="trl-fp8 plot", description="Draw the PNG report of a metrics.jsonl file.")
+    p.add_argument("metrics", help="path of a metrics.jsonl written by a trl_fp8 run")
+    p.add_argument("--output-dir", default=None, help="folder for the PNGs (default: beside the metrics file)")
+    args = p.parse_args(argv)
+    if not os.path.isfile(args.metrics):
+        p.error(f"metrics file not found: {args.metrics}")
+    out = args.output_dir or os.path.dirname(os.path.abspath(args.metrics))
+    paths = plot_metrics(args.metrics, out)
+    if not paths:
+        print(f"{args.metrics}: no known metric to plot")
+        return 1
+    for path in paths:
+        print(path)
+    return 0
+
+
+COMMANDS = {
+    "demo": (cmd_demo, "run the offline demo (GRPO on the embedded model and task, CPU)"),
+    "grpo": (cmd_grpo, "run GRPO like `trl grpo`, with trl_fp8's trainer and config fields"),
+    "plot": (cmd_plot, "draw the PNG report of a metrics.jsonl"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: trl-fp8 {" + ",".join(COMMANDS) + "} ...\n")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:<6} {text}")
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"trl-fp8 {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"trl-fp8: unknown command '{name}'; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name][0](rest)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"trl-fp8 {name}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The offline demo: the embedded model and the GRPO run on it."""

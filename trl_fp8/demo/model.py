@@ -1,0 +1,190 @@
+"""The embedded demo model: a tiny Qwen2 warmed up on the arithmetic task, shipped inside the package.
+
+``python examples/train_demo_model.py`` (or :func:`train_demo_model`) rebuilds it from scratch: a
+character-level tokenizer, a 2-layer Qwen2 (head_dim 32, so a vLLM CPU engine accepts it) and a short
+supervised warm-up on :mod:`trl_fp8.tasks.arithmetic`. The warm-up is deliberately short: GRPO must start
+from a policy that *sometimes* succeeds, so the reward has room to rise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..tasks.arithmetic import correctness_reward, make_problem, target_completion
+from ..tokenization import build_char_tokenizer
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
+
+
+def demo_model_path() -> str:
+    """Folder of the shipped demo model, for ``from_pretrained``."""
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"The embedded demo model is missing from {DEMO_MODEL_DIR}. Rebuild it with "
+            "`python examples/train_demo_model.py`."
+        )
+    return str(DEMO_MODEL_DIR)
+
+
+def build_demo_config(vocab_size: int = 128):
+    """The demo architecture: Qwen2, 2 layers, hidden 64, 2 heads of 32, 1 KV head, tied embeddings."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        dtype="float32",
+    )
+
+
+@dataclass
+class WarmupSettings:
+    steps: int = 1000
+    batch_size: int = 128
+    lr: float = 3e-3
+    # Label smoothing leaves the right answer as the mode but keeps the sampled policy diffuse: greedy
+    # decoding is mostly right, sampling at temperature 1 only sometimes. GRPO's job is to sharpen it.
+    label_smoothing: float = 0.1
+    seed: int = 0
+    max_operand: int = 99
+
+
+def _encode_batch(tokenizer, problems, device):
+    """Token ids + labels (loss on the completion and its eos only) for a list of (prompt, answer)."""
+    seqs, labels = [], []
+    for prompt, answer in problems:
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(target_completion(answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seqs.append(p + c)
+        labels.append([-100] * len(p) + c)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(l)] = torch.tensor(l)
+        mask[i, : len(s)] = 1
+    return ids.to(device), lab.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def sampled_accuracy(model, tokenizer, num_problems: int = 256, seed: int = 1234, temperature: float | None = 1.0,
+                     max_operand: int = 99, max_new_tokens: int = 16) -> float:
+    """Fraction of held-out problems solved by one sample at ``temperature`` (None: greedy decoding)."""
+    rng = random.Random(seed)
+    problems = [make_problem(rng, max_operand) for _ in range(num_problems)]
+    enc = tokenizer([p for p, _ in problems], return_tensors="pt", padding=True, padding_side="left")
+    torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    sampling = {"do_sample": False} if temperature is None else {
+        "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    out = model.generate(**enc, **sampling, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    model.train(was_training)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    rewards = correctness_reward(texts, [a for _, a in problems])
+    return sum(rewards) / len(rewards)
+
+
+def train_demo_model(output_dir: str | os.PathLike, settings: WarmupSettings | None = None, log=print) -> dict:
+    """Build the tokenizer and model, warm it up, and save both to ``output_dir`` (atomically).
+
+    Returns a summary dict (final loss, sampled accuracy, parameter count) that is also written to
+    ``warmup.json`` in the folder.
+    """
+    from transformers import Qwen2ForCausalLM
+
+    settings = settings or WarmupSettings()
+    torch.manual_seed(settings.seed)
+    rng = random.Random(settings.seed)
+    tokenizer = build_char_tokenizer()
+    config = build_demo_config()
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {config.vocab_size}")
+    model = Qwen2ForCausalLM(config)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    warm = max(1, settings.steps // 10)
+
+    def lr_at(step):  # linear warm-up, cosine decay
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, settings.steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    loss_value = float("nan")
+    for step in range(settings.steps):
+        problems = [make_problem(rng, settings.max_operand) for _ in range(settings.batch_size)]
+        ids, labels, mask = _encode_batch(tokenizer, problems, "cpu")
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+            ignore_index=-100, label_smoothing=settings.label_smoothing,
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_value = loss.item()
+        if log and (step % 100 == 0 or step == settings.steps - 1):
+            log(f"warm-up step {step:5d}  loss {loss_value:.4f}")
+
+    accuracy = sampled_accuracy(model, tokenizer, max_operand=settings.max_operand)
+    greedy = sampled_accuracy(model, tokenizer, max_operand=settings.max_operand, temperature=None)
+    summary = {
+        "final_loss": loss_value,
+        "sampled_accuracy_t1": accuracy,
+        "greedy_accuracy": greedy,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "settings": asdict(settings),
+    }
+    if log:
+        log(f"accuracy: sampled at temperature 1 {accuracy:.3f}, greedy {greedy:.3f}")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+
+    # Write everything to a temporary sibling folder, then swap it in: never a half-written model.
+    out = Path(output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "warmup.json").write_text(json.dumps(summary, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is meant to be shipped
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            if old.exists():
+                shutil.rmtree(old)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary

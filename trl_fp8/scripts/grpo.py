@@ -1,0 +1,160 @@
+"""GRPO training script: the arguments of ``trl grpo``, trained with ``trl_fp8.GRPOTrainer``.
+
+Launched by ``trl-fp8 grpo --config recipe.yaml [--field value ...]`` through ``accelerate launch``; it can
+also be run directly (``python -m trl_fp8.scripts.grpo --config recipe.yaml``) or with
+``accelerate launch -m trl_fp8.scripts.grpo ...``.
+
+Besides everything ``trl grpo`` accepts, two built-in names work offline:
+``--model_name_or_path trl-fp8:demo-model`` (the embedded tiny model) and
+``--dataset_name trl-fp8:arithmetic`` (the built-in verifiable arithmetic task), and the reward functions
+``correctness_reward`` and ``format_reward`` of that task can be named in ``--reward_funcs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
+
+from ..config import GRPOConfig
+
+BUILTIN_MODEL = "trl-fp8:demo-model"
+BUILTIN_DATASET = "trl-fp8:arithmetic"
+
+
+@dataclass
+class GRPOScriptArguments(ScriptArguments):
+    """Script arguments of ``trl grpo`` (same names and meaning)."""
+
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Reward model id on the Hub or local path to a model saved with `save_pretrained`."},
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions: `accuracy_reward`, `reasoning_accuracy_reward`, `think_format_reward`, "
+            "`get_soft_overlong_punishment`, trl_fp8's `correctness_reward` and `format_reward` (arithmetic "
+            "task), or any dotted import path (e.g. `my_lib.rewards.custom_reward`)."
+        },
+    )
+
+
+def make_parser(prog: str | None = None):
+    from trl import TrlParser
+
+    return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+
+
+def reward_registry() -> dict:
+    from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
+
+    from ..tasks.arithmetic import correctness_reward, format_reward
+
+    return {
+        "accuracy_reward": accuracy_reward,
+        "reasoning_accuracy_reward": reasoning_accuracy_reward,
+        "think_format_reward": think_format_reward,
+        "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
+        "correctness_reward": correctness_reward,
+        "format_reward": format_reward,
+    }
+
+
+def resolve_reward_funcs(names: list[str] | None, reward_model: str | None = None) -> list:
+    registry = reward_registry()
+    funcs = [reward_model] if reward_model else []
+    for name in names or []:
+        if name in registry:
+            funcs.append(registry[name])
+        elif "." in name:
+            module_path, attr = name.rsplit(".", 1)
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_path)
+            if not hasattr(module, attr):
+                raise ValueError(f"reward_funcs: module '{module_path}' has no attribute '{attr}'.")
+            funcs.append(getattr(module, attr))
+        else:
+            raise ValueError(
+                f"reward_funcs: unknown reward function '{name}'. Allowed: {', '.join(registry)}, "
+                "or a dotted import path such as 'my_lib.rewards.custom_reward'."
+            )
+    if not funcs:
+        raise ValueError("reward_funcs: give at least one reward function (or reward_model_name_or_path).")
+    return funcs
+
+
+def load_datasets(script_args, dataset_args, training_args):
+    from datasets import DatasetDict, load_dataset
+    from trl import get_dataset
+
+    if dataset_args.datasets:
+        return get_dataset(dataset_args)
+    if script_args.dataset_name == BUILTIN_DATASET:
+        from ..tasks.arithmetic import make_arithmetic_dataset
+
+        return DatasetDict(
+            {
+                "train": make_arithmetic_dataset(4000, seed=training_args.seed),
+                "test": make_arithmetic_dataset(256, seed=training_args.seed + 1),
+            }
+        )
+    if script_args.dataset_name:
+        return load_dataset(
+            script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
+        )
+    raise ValueError("Either `datasets` or `dataset_name` must be provided.")
+
+
+def main(script_args, training_args, model_args, dataset_args):
+    from trl import get_peft_config, get_quantization_config
+
+    from ..trainer import GRPOTrainer
+
+    model_name = model_args.model_name_or_path
+    if not model_name:
+        raise ValueError("model_name_or_path is required (a Hub id, a local folder, or 'trl-fp8:demo-model').")
+    if model_name == BUILTIN_MODEL:
+        from ..demo.model import demo_model_path
+
+        model_name = demo_model_path()
+
+    reward_funcs = resolve_reward_funcs(script_args.reward_funcs, script_args.reward_model_name_or_path)
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+
+    dataset = load_datasets(script_args, dataset_args, training_args)
+    trainer = GRPOTrainer(
+        model=model_name,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if hasattr(trainer, "end"):
+        trainer.end()
+
+
+if __name__ == "__main__":
+    parser = make_parser()
+    # Keys consumed by `accelerate launch` may stay in the recipe; the CLI has already checked the rest.
+    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
+    main(script_args, training_args, model_args, dataset_args)
