@@ -16,19 +16,13 @@ from .report import MetricsJsonlCallback
 class GRPOTrainer(_TRLGRPOTrainer):
     """Drop-in replacement for :class:`trl.GRPOTrainer`; takes the same arguments.
 
-    ``args`` may be a :class:`trl_fp8.GRPOConfig` or a plain :class:`trl.GRPOConfig` (then every trl_fp8
-    capability is off).
+    ``args`` may be a :class:`trl_fp8.GRPOConfig` or a plain :class:`trl.GRPOConfig` (or None, as in TRL);
+    with a plain TRL config every trl_fp8 capability is off.
     """
 
     _tag_names = ["trl", "grpo", "trl-fp8"]
 
-    def __init__(self, model, reward_funcs=None, args=None, *pargs, **kwargs):
-        if args is None:
-            # Same default as TRL, but with trl_fp8's config class.
-            from trl.trainer.utils import get_config_model_id
-
-            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = GRPOConfig(f"{model_name.split('/')[-1]}-GRPO")
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *pargs, **kwargs):
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         metrics_jsonl = getattr(self.args, "metrics_jsonl", None)
         if metrics_jsonl:

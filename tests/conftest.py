@@ -1,0 +1,33 @@
+"""Shared fixtures: everything is built locally; no test touches the network."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A randomly initialised tiny Qwen2 + the char tokenizer, saved with save_pretrained (loaded back with
+    the real from_pretrained by the tests)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trl_fp8.tokenization import build_char_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,37 @@
+import json
+
+import pytest
+
+from trl_fp8.demo.run import DemoSettings, format_summary, run_demo, summarize
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("max_steps", 0), ("prompts_per_step", -1), ("num_generations", 1), ("learning_rate", 0.0),
+     ("temperature", -1.0), ("num_problems", 2.5)],
+)
+def test_settings_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        DemoSettings(**{field: value}).validate()
+
+
+def test_summarize_first_and_last_window(tmp_path):
+    path = tmp_path / "m.jsonl"
+    rows = [{"step": i, "reward": i / 100, "rewards/correctness_reward/mean": i / 200} for i in range(1, 31)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    s = summarize(path)
+    assert s["reward"]["first_mean"] == pytest.approx(sum(range(1, 11)) / 1000)
+    assert s["reward"]["last_mean"] == pytest.approx(sum(range(21, 31)) / 1000)
+    assert s["rewards/correctness_reward/mean"]["gain"] == pytest.approx(0.1)
+
+
+@pytest.mark.slow
+def test_default_demo_reward_rises(tmp_path):
+    """The main job as a newcomer runs it (default settings): the accuracy must clearly rise."""
+    summary = run_demo(DemoSettings(output_dir=str(tmp_path), progress=False))
+    acc = summary["rewards/correctness_reward/mean"]
+    assert summary["steps"] == DemoSettings().max_steps
+    assert acc["last_mean"] - acc["first_mean"] > 0.15, acc
+    assert summary["reward"]["gain"] > 0.15
+    assert len(summary["plots"]) == 2
+    assert "accuracy" in format_summary(summary)

@@ -1,0 +1,90 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_fp8.cli import RecipeKeyError, main, prepare_grpo_launch
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "demo_grpo.yaml"
+
+
+def _recipe(tmp_path, extra=""):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(RECIPE.read_text() + extra)
+    return str(path)
+
+
+def test_help_and_version(capsys):
+    assert main(["--help"]) == 0
+    assert "demo" in capsys.readouterr().out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("trl-fp8 ")
+
+
+def test_unknown_command(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_prepare_launch_splits_launcher_and_script_args(tmp_path):
+    launch, script = prepare_grpo_launch(["--config", _recipe(tmp_path), "--max_steps", "2", "--num_processes", "1"])
+    # recipe key `num_processes` and the command-line one both go to accelerate; training keys stay with the script
+    assert launch == ["--num_processes", "1", "--num_processes", "1"]
+    assert script == ["--config", str(tmp_path / "recipe.yaml"), "--max_steps", "2"]
+
+
+def test_typo_in_recipe_is_named_with_a_suggestion(tmp_path):
+    with pytest.raises(RecipeKeyError, match=r"Unknown key 'learnig_rate' in .*recipe\.yaml.*Did you mean 'learning_rate'"):
+        prepare_grpo_launch(["--config", _recipe(tmp_path, "learnig_rate: 1.0e-5\n")])
+
+
+def test_typo_on_command_line_is_named(tmp_path):
+    with pytest.raises(RecipeKeyError, match=r"Unknown key 'learnig_rate' on the command line.*'learning_rate'"):
+        prepare_grpo_launch(["--config", _recipe(tmp_path), "--learnig_rate", "3e-5"])
+
+
+def test_invalid_value_fails_before_launch(tmp_path):
+    with pytest.raises(ValueError, match="metrics_jsonl"):
+        prepare_grpo_launch(["--config", _recipe(tmp_path), "--metrics_jsonl", str(tmp_path)])
+
+
+def test_main_reports_config_errors_without_traceback(tmp_path, capsys):
+    assert main(["grpo", "--config", _recipe(tmp_path, "learnig_rate: 1.0e-5\n")]) == 2
+    assert "learnig_rate" in capsys.readouterr().err
+
+
+def test_grpo_command_trains_end_to_end(tmp_path):
+    """`trl-fp8 grpo` through accelerate launch, in a subprocess, offline."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trl_fp8.cli", "grpo", "--config", str(RECIPE), "--max_steps", "2",
+           "--logging_steps", "1", "--output_dir", str(out), "--metrics_jsonl", str(out / "metrics.jsonl")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "model.safetensors").is_file()
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # two steps + the train summary
+
+
+def test_demo_command_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--output-dir", str(out), "--max-steps", "3", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "metrics.jsonl") in printed
+    for name in ("metrics.jsonl", "reward.png", "completion_length.png", "summary.json", "model/config.json"):
+        assert (out / name).is_file(), name
+
+
+def test_plot_command(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward": 0.1}\n{"step": 2, "reward": 0.3}\n')
+    assert main(["plot", str(path)]) == 0
+    assert (tmp_path / "reward.png").is_file()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"step": 1, "other": 1}\n')
+    assert main(["plot", str(empty)]) == 1
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path / "missing.jsonl")])
