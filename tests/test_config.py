@@ -31,7 +31,9 @@ def test_defaults_leave_trl_fields_untouched(tmp_path):
         if f.name in ("logging_dir",):  # timestamped by transformers
             continue
         assert getattr(ours, f.name) == getattr(theirs, f.name), f.name
-    assert ours.trl_fp8_fields() == {"metrics_jsonl": None}
+    assert ours.trl_fp8_fields() == {
+        "metrics_jsonl": None, "fair_cast": "off", "served_dtype": "bfloat16", "fair_cast_seed": None
+    }
 
 
 def test_metrics_jsonl_rejects_a_directory(tmp_path):

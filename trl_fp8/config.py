@@ -14,7 +14,9 @@ from dataclasses import dataclass, field, fields
 from trl import GRPOConfig as _TRLGRPOConfig
 
 # Names of the fields trl_fp8 adds on top of trl.GRPOConfig (kept in sync by a test).
-TRL_FP8_FIELDS: tuple[str, ...] = ("metrics_jsonl",)
+TRL_FP8_FIELDS: tuple[str, ...] = ("metrics_jsonl", "fair_cast", "served_dtype", "fair_cast_seed")
+FAIR_CAST_MODES = ("off", "rtn", "stochastic", "error_feedback")
+SERVED_DTYPES = ("bfloat16", "float16")
 
 
 @dataclass
@@ -28,6 +30,19 @@ class GRPOConfig(_TRLGRPOConfig):
         metrics_jsonl (`str`, *optional*):
             Path of a JSON-lines file to which every logged metrics record is appended (one JSON object per
             line, with `step` and `epoch`), on the main process only. `None` (default) writes nothing.
+
+        > trl_fp8: Fair Cast
+
+        fair_cast (`str`, *optional*, defaults to `"off"`):
+            How the fp32 master weights are exported into the served low-precision copy that generates
+            rollouts: `"off"` (TRL's behaviour), `"rtn"` (round-to-nearest, the explicit baseline with the same
+            served-copy machinery), `"stochastic"` (unbiased stochastic rounding) or `"error_feedback"`
+            (deterministic, with an fp32 residual). When on, the loss is computed on the served copy and the
+            gradient is applied to the fp32 master.
+        served_dtype (`str`, *optional*, defaults to `"bfloat16"`):
+            Dtype of the served copy: `"bfloat16"` or `"float16"` (GPUs without bf16, e.g. T4).
+        fair_cast_seed (`int`, *optional*):
+            Seed of the stochastic-rounding streams; defaults to one derived from `seed`.
     """
 
     metrics_jsonl: str | None = field(
@@ -38,11 +53,50 @@ class GRPOConfig(_TRLGRPOConfig):
         },
     )
 
+    fair_cast: str = field(
+        default="off",
+        metadata={
+            "help": "trl_fp8: export rule of the fp32 master into the served copy: 'off' (TRL), 'rtn' "
+            "(round-to-nearest baseline), 'stochastic' or 'error_feedback'. When on, the loss runs on the "
+            "served copy and gradients update the fp32 master.",
+            "choices": list(FAIR_CAST_MODES),
+        },
+    )
+    served_dtype: str = field(
+        default="bfloat16",
+        metadata={
+            "help": "trl_fp8: dtype of the served copy with Fair Cast: 'bfloat16' or 'float16' (e.g. T4).",
+            "choices": list(SERVED_DTYPES),
+        },
+    )
+    fair_cast_seed: int | None = field(
+        default=None,
+        metadata={"help": "trl_fp8: seed of Fair Cast's stochastic rounding; default: derived from `seed`."},
+    )
+
     def __post_init__(self):
-        self._validate_trl_fp8_fields()
         super().__post_init__()
+        self._validate_trl_fp8_fields()
+
+    @property
+    def fair_cast_on(self) -> bool:
+        return self.fair_cast != "off"
+
+    def resolved_fair_cast_seed(self) -> int:
+        """The SR seed: `fair_cast_seed`, or a fixed function of `seed` (so runs are reproducible)."""
+        if self.fair_cast_seed is not None:
+            return int(self.fair_cast_seed)
+        return (int(self.seed) * 0x9E3779B1 + 0xFA1C) & 0x7FFFFFFF
 
     def _validate_trl_fp8_fields(self) -> None:
+        check_choice("fair_cast", self.fair_cast, FAIR_CAST_MODES)
+        check_choice("served_dtype", self.served_dtype, SERVED_DTYPES)
+        if self.fair_cast_seed is not None and (
+            isinstance(self.fair_cast_seed, bool) or not isinstance(self.fair_cast_seed, int)
+        ):
+            raise ValueError(f"fair_cast_seed must be an integer or None, got {self.fair_cast_seed!r}.")
+        if self.fair_cast_on:
+            self._validate_fair_cast_combinations()
         if self.metrics_jsonl is not None:
             if not isinstance(self.metrics_jsonl, (str, os.PathLike)) or not str(self.metrics_jsonl).strip():
                 raise ValueError(
@@ -54,6 +108,35 @@ class GRPOConfig(_TRLGRPOConfig):
                     f"metrics_jsonl={self.metrics_jsonl!r} is a directory; give a file path such as "
                     f"'{os.path.join(self.metrics_jsonl, 'metrics.jsonl')}'."
                 )
+
+    def _validate_fair_cast_combinations(self) -> None:
+        mode = f"fair_cast={self.fair_cast!r}"
+        if self.use_transformers_continuous_batching or getattr(self, "use_transformers_paged", False):
+            raise ValueError(
+                f"{mode} cannot be combined with use_transformers_continuous_batching=True: TRL's continuous-"
+                "batching path casts the model to the mixed-precision dtype in place, which silently discards the "
+                "fp32 master. Use the default transformers generation or vLLM."
+            )
+        if self.use_vllm:
+            raise ValueError(
+                f"{mode} with use_vllm=True is not supported yet: the served copy is pushed only to trl_fp8's "
+                "in-process sampler. Set use_vllm=False, or fair_cast='off'."
+            )
+        if self.bf16 and self.served_dtype != "bfloat16":
+            raise ValueError(
+                f"{mode}: bf16=True autocasts the learner to bfloat16, which would re-round a "
+                f"served_dtype={self.served_dtype!r} copy. Use served_dtype='bfloat16', or fp16=True."
+            )
+        if self.fp16 and self.served_dtype != "float16":
+            raise ValueError(
+                f"{mode}: fp16=True autocasts the learner to float16, which would re-round a "
+                f"served_dtype={self.served_dtype!r} copy. Use served_dtype='float16'."
+            )
+        if self.deepspeed or self.fsdp:
+            raise ValueError(
+                f"{mode} is not supported with DeepSpeed or FSDP yet (sharded parameters); use DDP or a single "
+                "process, or fair_cast='off'."
+            )
 
     def trl_fp8_fields(self) -> dict:
         """The trl_fp8-specific fields and their values (handy for logging a run's recipe)."""
