@@ -1,0 +1,151 @@
+"""Fair Cast wired into trl_fp8.GRPOTrainer (in-process sampler), on the tiny local models."""
+
+import os
+
+import pytest
+import torch
+
+import trl_fp8
+from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+
+
+def _args(tmp_path, name="run", **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / name), use_cpu=True, bf16=False, max_steps=3, learning_rate=1e-3,
+        per_device_train_batch_size=16, num_generations=4, max_completion_length=12, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=7,
+        fair_cast="stochastic",
+    )
+    kwargs.update(overrides)
+    return trl_fp8.GRPOConfig(**kwargs)
+
+
+def _trainer(tmp_path, model_dir, **overrides):
+    return trl_fp8.GRPOTrainer(
+        model=model_dir, reward_funcs=[correctness_reward, format_reward], args=_args(tmp_path, **overrides),
+        train_dataset=make_arithmetic_dataset(200, seed=5),
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    from trl_fp8.demo.model import demo_model_path
+
+    return demo_model_path()
+
+
+@pytest.mark.parametrize("mode", ["rtn", "stochastic", "error_feedback"])
+def test_loss_runs_on_served_values_and_generation_on_the_twin(tmp_path, demo_dir, mode):
+    trainer = _trainer(tmp_path, demo_dir, fair_cast=mode)
+    twin = trainer._served_model
+    assert all(p.dtype == torch.bfloat16 for p in twin.parameters())
+    learner_q = trainer.model.model.layers[0].self_attn.q_proj
+    twin_q = twin.model.layers[0].self_attn.q_proj
+    seen = {"twin_calls": 0, "learner_checks": []}
+
+    def on_twin(module, args):
+        seen["twin_calls"] += 1
+
+    def on_learner(module, args):
+        if torch.is_grad_enabled():  # the loss forward
+            seen["learner_checks"].append(torch.equal(module.weight, twin_q.weight.float()))
+
+    twin.register_forward_pre_hook(on_twin)
+    learner_q.register_forward_pre_hook(on_learner)
+    trainer.train()
+    assert seen["twin_calls"] > 0  # rollouts came from the served twin
+    assert seen["learner_checks"] and all(seen["learner_checks"])  # loss on exactly the served weights
+    served = trainer._fair_cast.served
+    for name, p in trainer.model.named_parameters():
+        assert p.dtype == torch.float32
+        assert torch.equal(p.data, served.served[name].float()), name
+    assert served.step == trainer.state.global_step == 3
+    # the master moved and stays fp32, off the bf16 grid
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in served.master.values())
+    logged = trainer.state.log_history[0]
+    for key in ("fair_cast/visible_update_frac", "fair_cast/max_abs_err_ulps"):
+        assert key in logged
+    assert "fair_cast/lag_steps" in trainer.state.log_history[1]
+
+
+def test_export_once_per_optimizer_step_with_accumulation(tmp_path, demo_dir):
+    trainer = _trainer(tmp_path, demo_dir, gradient_accumulation_steps=2, per_device_train_batch_size=8,
+                       steps_per_generation=4, max_steps=2)
+    exports = []
+    original = trainer._fair_cast.served.export
+    trainer._fair_cast.served.export = lambda step: (exports.append(step), original(step))[1]
+    trainer.train()
+    assert exports == [0, 1, 2]  # once at the start, then once per optimizer step
+
+
+def test_off_builds_nothing(tmp_path, demo_dir):
+    trainer = _trainer(tmp_path, demo_dir, fair_cast="off", max_steps=1)
+    assert trainer._fair_cast is None and trainer._served_model is None
+
+
+def test_resume_is_exact(tmp_path, tiny_model_dir):
+    """4 steps straight == 2 steps + checkpoint + resume + 2 steps: same master, served copy and residual."""
+    common = dict(fair_cast="error_feedback", max_steps=4, save_strategy="steps", save_steps=2,
+                  learning_rate=5e-3)
+    straight = _trainer(tmp_path, tiny_model_dir, **common)
+    straight.train()
+    checkpoint = os.path.join(straight.args.output_dir, "checkpoint-2")
+    assert os.path.isfile(os.path.join(checkpoint, "fair_cast_state.pt"))
+    assert not [f for f in os.listdir(checkpoint) if f.endswith(".tmp")]
+
+    resumed = _trainer(tmp_path, tiny_model_dir, **{**common, "output_dir": str(tmp_path / "resumed")})
+    resumed.train(resume_from_checkpoint=checkpoint)
+    a, b = straight._fair_cast.served, resumed._fair_cast.served
+    for name in a.master:
+        assert torch.equal(a.master[name], b.master[name]), name
+        assert torch.equal(a.served[name].view(torch.int16), b.served[name].view(torch.int16)), name
+        assert torch.equal(a.residual[name], b.residual[name]), name
+    for (n, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_saved_model_is_the_served_copy(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(tmp_path, tiny_model_dir, max_steps=2)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    served = trainer._fair_cast.served.served
+    for name, p in saved.named_parameters():
+        assert torch.equal(p.data, served[name].float()), name
+
+
+def test_resume_from_a_checkpoint_without_fair_cast_state_is_refused(tmp_path, tiny_model_dir):
+    plain = _trainer(tmp_path, tiny_model_dir, fair_cast="off", max_steps=2, save_strategy="steps", save_steps=2)
+    plain.train()
+    checkpoint = os.path.join(plain.args.output_dir, "checkpoint-2")
+    fc = _trainer(tmp_path, tiny_model_dir, output_dir=str(tmp_path / "fc"), max_steps=3)
+    with pytest.raises(ValueError, match="has no fair_cast_state.pt"):
+        fc.train(resume_from_checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"fair_cast": "nearest"}, "fair_cast='nearest' is not valid; allowed values: 'off', 'rtn'"),
+        ({"served_dtype": "fp8"}, "served_dtype='fp8' is not valid; allowed values: 'bfloat16', 'float16'"),
+        ({"fair_cast_seed": "x"}, "fair_cast_seed must be an integer"),
+        ({"use_vllm": True}, "use_vllm=True is not supported yet"),
+        ({"use_transformers_continuous_batching": True}, "silently discards the fp32 master"),
+        ({"bf16": True, "served_dtype": "float16"}, "served_dtype='float16' copy"),
+    ],
+)
+def test_config_refuses_bad_values_and_combinations(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _args(tmp_path, **overrides)
+
+
+def test_peft_model_is_refused_clearly(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="PEFT/LoRA model is not supported yet"):
+        trl_fp8.GRPOTrainer(
+            model=tiny_model_dir, reward_funcs=format_reward, args=_args(tmp_path),
+            train_dataset=make_arithmetic_dataset(20), peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+        )
