@@ -14,6 +14,9 @@ from transformers import TrainerCallback
 DEFAULT_PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("reward", "Reward per step", ("reward", "rewards/correctness_reward/mean", "rewards/format_reward/mean")),
     ("completion_length", "Completion length (tokens)", ("completions/mean_length",)),
+    ("fair_cast_lag", "Fair Cast: served copy lag behind the master (steps)", ("fair_cast/lag_steps",)),
+    ("fair_cast_visible", "Fair Cast: fraction of served weights changed per export",
+     ("fair_cast/visible_update_frac",)),
 )
 
 

@@ -33,5 +33,5 @@ def test_default_demo_reward_rises(tmp_path):
     assert summary["steps"] == DemoSettings().max_steps
     assert acc["last_mean"] - acc["first_mean"] > 0.15, acc
     assert summary["reward"]["gain"] > 0.15
-    assert len(summary["plots"]) == 2
+    assert len(summary["plots"]) == 4  # reward, length, Fair Cast lag and visible-update curves
     assert "accuracy" in format_summary(summary)

@@ -33,6 +33,7 @@ class DemoSettings:
     temperature: float = 1.0
     seed: int = 0
     num_problems: int = 4000
+    fair_cast: str = "stochastic"
     progress: bool = True
 
     def validate(self) -> None:
@@ -103,6 +104,7 @@ def build_demo_config(settings: DemoSettings, **overrides):
         seed=settings.seed,
         data_seed=settings.seed,
         reward_weights=[1.0, 0.2],
+        fair_cast=settings.fair_cast,
         metrics_jsonl=str(out / "metrics.jsonl"),
         dataloader_num_workers=0,
     )
