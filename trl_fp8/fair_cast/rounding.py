@@ -33,8 +33,8 @@ _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xor-shift-multiply), computed in int64 on values in [0, 2^32)."""
+def _mix32(x):
+    """A 32-bit integer finaliser (xor-shift-multiply) on values in [0, 2^32): int64 tensors or Python ints."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)
@@ -43,35 +43,23 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _mix32_int(x: int) -> int:
-    x &= _M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    x ^= x >> 16
-    return x
-
-
 def derive_key(seed: int, step: int, index: int) -> int:
     """A 32-bit stream key from (seed, step, tensor index); distinct inputs give unrelated streams."""
-    key = _mix32_int(int(seed) ^ _GOLDEN)
-    key = _mix32_int(key ^ (int(step) & _M32) ^ ((int(step) >> 32) * _GOLDEN))
-    key = _mix32_int(key ^ (int(index) & _M32) ^ 0x85EBCA6B)
-    return key
+    key = _mix32((int(seed) ^ _GOLDEN) & _M32)
+    key = _mix32((key ^ int(step) ^ ((int(step) >> 32) * _GOLDEN)) & _M32)
+    return _mix32((key ^ int(index) ^ 0x85EBCA6B) & _M32)
 
 
 def random_bits16(numel: int, key: int, device=None, offset: int = 0) -> torch.Tensor:
     """16 uniform random bits per element (int64 in [0, 65536)), from counter ``offset + i`` and ``key``."""
-    counter = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
+    counter = torch.arange(offset, offset + numel, dtype=torch.int64, device=device) & _M32
     return _mix32((counter * _GOLDEN + key) & _M32) >> 16
 
 
 def _sr_bf16_bits_torch(src: torch.Tensor, key: int) -> torch.Tensor:
     """Reference SR fp32 -> bf16 in PyTorch ops; the same bits as the fused C kernel."""
     bits = src.view(torch.int32).to(torch.int64) & _M32
-    counter = torch.arange(src.numel(), dtype=torch.int64, device=src.device).view(src.shape) & _M32
-    r = _mix32((counter * _GOLDEN + key) & _M32) >> 16
+    r = random_bits16(src.numel(), key, src.device).view(src.shape)
     s = (bits + r) & _M32
     out = s >> 16
     special = (bits & 0x7F800000) == 0x7F800000  # inf / NaN input
