@@ -21,23 +21,21 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-class _StepTimer:
-    """A TrainerCallback recording wall-clock time of each optimizer step."""
+def _step_timer():
+    """A TrainerCallback that records the wall-clock time of each optimizer step in ``.times``."""
+    from transformers import TrainerCallback
 
-    def __init__(self):
-        from transformers import TrainerCallback
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
 
-        timer = self
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t0 = time.perf_counter()
 
-        class _CB(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                timer._t0 = time.perf_counter()
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._t0)
 
-            def on_step_end(self, args, state, control, **kwargs):
-                timer.times.append(time.perf_counter() - timer._t0)
-
-        self.times: list[float] = []
-        self.callback = _CB()
+    return StepTimer()
 
 
 def one_run(flavour: str, steps: int, workdir: str) -> float:
@@ -57,10 +55,10 @@ def one_run(flavour: str, steps: int, workdir: str) -> float:
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         gradient_checkpointing=False, seed=0,
     )
-    timer = _StepTimer()
+    timer = _step_timer()
     trainer = trainer_cls(
         model=demo_model_path(), reward_funcs=[correctness_reward, format_reward], args=args,
-        train_dataset=make_arithmetic_dataset(2000, seed=0), callbacks=[timer.callback],
+        train_dataset=make_arithmetic_dataset(2000, seed=0), callbacks=[timer],
     )
     from transformers.trainer_callback import PrinterCallback
 

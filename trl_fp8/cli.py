@@ -50,25 +50,13 @@ def check_unknown_keys(config_remaining: list[str], cli_remaining: list[str], sc
             )
 
 
-def _subtract_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
-    """``items`` without the ordered ``subsequence`` (tokens that go to the launcher, not the script)."""
-    it = iter(subsequence)
-    current = next(it, None)
-    kept = []
-    for item in items:
-        if current is not None and item == current:
-            current = next(it, None)
-        else:
-            kept.append(item)
-    return kept
-
-
 def prepare_grpo_launch(argv: list[str]) -> tuple[list[str], list[str]]:
     """Validate ``trl-fp8 grpo`` arguments; return (accelerate launch args, script args).
 
     Parsing builds ``GRPOConfig``, so invalid values fail here, before anything is launched.
     """
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
+    from trl.cli.commands.training import _subtract_subsequence  # what `trl grpo` uses (trl 1.16)
 
     from .scripts.grpo import make_parser
 

@@ -13,10 +13,13 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig as _TRLGRPOConfig
 
+from .fair_cast.rounding import SERVED_DTYPES as SERVED_TORCH_DTYPES
+from .fair_cast.served import EXPORT_MODES
+
 # Names of the fields trl_fp8 adds on top of trl.GRPOConfig (kept in sync by a test).
 TRL_FP8_FIELDS: tuple[str, ...] = ("metrics_jsonl", "fair_cast", "served_dtype", "fair_cast_seed")
-FAIR_CAST_MODES = ("off", "rtn", "stochastic", "error_feedback")
-SERVED_DTYPES = ("bfloat16", "float16")
+FAIR_CAST_MODES = ("off",) + EXPORT_MODES
+SERVED_DTYPES = tuple(SERVED_TORCH_DTYPES)
 
 
 @dataclass

@@ -20,6 +20,7 @@ the same bits (tested).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import warnings
 
@@ -214,10 +215,10 @@ def _error_feedback_torch(src, residual, dtype, out=None):
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Spacing of ``dtype`` at |x| (the gap to the next representable magnitude), as fp32."""
-    a = x.abs().float().clamp(max=torch.finfo(dtype).max)
-    lo, hi = neighbours(a, dtype)
-    r = a.to(dtype)
-    nxt = torch.nextafter(r, torch.full_like(r, float("inf"))).float()
-    # for values between two grid points, the gap between them; on the grid, the gap above
-    return torch.where(hi > lo, hi - lo, nxt - r.float())
+    """Spacing of ``dtype`` at |x|: ``2**(floor(log2|x|) - mantissa_bits)``, subnormal-aware, as fp32."""
+    finfo = torch.finfo(dtype)
+    a = x.abs().float().clamp(max=finfo.max)
+    _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1), so floor(log2 a) = e - 1
+    min_exp = int(math.log2(finfo.tiny))
+    exp = torch.where(a > 0, e - 1, torch.full_like(e, min_exp)).clamp(min=min_exp)
+    return torch.ldexp(torch.full_like(a, finfo.eps), exp)  # eps = 2**-mantissa_bits
