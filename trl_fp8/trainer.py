@@ -19,6 +19,14 @@ from .report import MetricsJsonlCallback
 FAIR_CAST_STATE = "fair_cast_state.pt"
 
 
+def _is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
 class GRPOTrainer(_TRLGRPOTrainer):
     """Drop-in replacement for :class:`trl.GRPOTrainer`; takes the same arguments.
 
@@ -42,30 +50,34 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def _setup_fair_cast(self) -> None:
         from .fair_cast.callback import FairCastCallback
         from .fair_cast.rounding import SERVED_DTYPES
-        from .fair_cast.served import ServedCopy
+        from .fair_cast.served import ParamUnit, ServedCopy
 
-        try:
-            from peft import PeftModel
-        except ImportError:  # pragma: no cover - peft is a dependency
-            PeftModel = ()
         model = self.accelerator.unwrap_model(self.model)
-        if isinstance(model, PeftModel):
-            raise ValueError(
-                "fair_cast with a PEFT/LoRA model is not supported yet (the served copy would be the merged "
-                "weights); set fair_cast='off' for LoRA runs."
-            )
         dtype = SERVED_DTYPES[self.args.served_dtype]
+        if _is_peft_model(model):
+            from .fair_cast.peft import lora_units
+
+            units = lora_units(model)
+            twin = copy.deepcopy(model).merge_and_unload()  # the sampler serves the merged model
+        else:
+            units = [ParamUnit(n, p) for n, p in model.named_parameters()]
+            twin = copy.deepcopy(model)
         # The sampler: a twin of the policy whose parameters *are* the served tensors (buffers stay as they
         # are, e.g. rotary frequencies in fp32, as an inference engine keeps them).
-        twin = copy.deepcopy(model)
         for p in twin.parameters():
             p.data = p.data.to(dtype)
             p.requires_grad_(False)
         twin.eval()
-        self._served_model = twin
         served_tensors = dict(twin.named_parameters())
+        unit_names = {u.name for u in units}
+        if unit_names != set(served_tensors):
+            raise ValueError(
+                "Fair Cast could not match the learner's parameters to the served model's: only in the learner "
+                f"{sorted(unit_names - set(served_tensors))[:5]}, only served {sorted(set(served_tensors) - unit_names)[:5]}."
+            )
+        self._served_model = twin
         self._fair_cast = FairCastCallback(
-            ServedCopy(model.named_parameters(), self.args.fair_cast, dtype, self.args.resolved_fair_cast_seed(),
+            ServedCopy(units, self.args.fair_cast, dtype, self.args.resolved_fair_cast_seed(),
                        served_tensors=served_tensors)
         )
         self.add_callback(self._fair_cast)

@@ -14,7 +14,7 @@ def _params(seed=0):
 def test_cycle_keeps_master_fp32_and_params_on_served_values(mode):
     lin, named = _params()
     start = {n: p.detach().clone() for n, p in named}
-    copy = ServedCopy(named, mode, torch.bfloat16, seed=3)
+    copy = ServedCopy.from_named_params(named, mode, torch.bfloat16, seed=3)
     copy.begin()
     for n, p in lin.named_parameters():
         assert torch.equal(copy.master[n], start[n])
@@ -46,7 +46,7 @@ def test_rtn_lags_and_sr_does_not_under_small_persistent_updates():
     for mode in ("rtn", "stochastic", "error_feedback"):
         torch.manual_seed(0)
         w = torch.nn.Parameter((torch.rand(4096) * 0.02 + 0.02).to(torch.bfloat16).float())
-        copy = ServedCopy([("w", w)], mode, torch.bfloat16, seed=1)
+        copy = ServedCopy.from_named_params([("w", w)], mode, torch.bfloat16, seed=1)
         copy.begin()
         lags, visible = [], []
         for step in range(1, 61):
@@ -65,7 +65,7 @@ def test_rtn_lags_and_sr_does_not_under_small_persistent_updates():
 
 def test_state_round_trip_and_mismatch_errors():
     lin, named = _params()
-    copy = ServedCopy(named, "error_feedback", torch.bfloat16, seed=2)
+    copy = ServedCopy.from_named_params(named, "error_feedback", torch.bfloat16, seed=2)
     copy.begin()
     copy.before_step()
     with torch.no_grad():
@@ -74,7 +74,7 @@ def test_state_round_trip_and_mismatch_errors():
     copy.after_step(1)
     state = copy.state_dict()
     lin2, named2 = _params(seed=9)
-    other = ServedCopy(named2, "error_feedback", torch.bfloat16, seed=0)
+    other = ServedCopy.from_named_params(named2, "error_feedback", torch.bfloat16, seed=0)
     other.load_state_dict(state)
     for n in copy.master:
         assert torch.equal(other.master[n], copy.master[n])
@@ -82,14 +82,14 @@ def test_state_round_trip_and_mismatch_errors():
         assert torch.equal(other.residual[n], copy.residual[n])
     assert (other.seed, other.step) == (2, 1)
     with pytest.raises(ValueError, match="mode='error_feedback', but this run uses 'stochastic'"):
-        ServedCopy(_params()[1], "stochastic").load_state_dict(state)
+        ServedCopy.from_named_params(_params()[1], "stochastic").load_state_dict(state)
 
 
 def test_rejects_non_fp32_masters_and_bad_modes():
     p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="parameter 'p' is torch.bfloat16"):
-        ServedCopy([("p", p)], "stochastic")
+        ServedCopy.from_named_params([("p", p)], "stochastic")
     with pytest.raises(ValueError, match="mode='sr'"):
-        ServedCopy(_params()[1], "sr")
+        ServedCopy.from_named_params(_params()[1], "sr")
     with pytest.raises(ValueError, match="no parameters"):
-        ServedCopy([], "rtn")
+        ServedCopy.from_named_params([], "rtn")

@@ -73,7 +73,7 @@ def test_export_once_per_optimizer_step_with_accumulation(tmp_path, demo_dir):
                        steps_per_generation=4, max_steps=2)
     exports = []
     original = trainer._fair_cast.served.export
-    trainer._fair_cast.served.export = lambda step: (exports.append(step), original(step))[1]
+    trainer._fair_cast.served.export = lambda step, names=None: (exports.append(step), original(step, names))[1]
     trainer.train()
     assert exports == [0, 1, 2]  # once at the start, then once per optimizer step
 
@@ -141,11 +141,75 @@ def test_config_refuses_bad_values_and_combinations(tmp_path, overrides, message
         _args(tmp_path, **overrides)
 
 
-def test_peft_model_is_refused_clearly(tmp_path, tiny_model_dir):
+def _lora(**kwargs):
     from peft import LoraConfig
 
-    with pytest.raises(ValueError, match="PEFT/LoRA model is not supported yet"):
-        trl_fp8.GRPOTrainer(
-            model=tiny_model_dir, reward_funcs=format_reward, args=_args(tmp_path),
-            train_dataset=make_arithmetic_dataset(20), peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
-        )
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], **kwargs)
+
+
+def _lora_trainer(tmp_path, model_dir, peft_config=None, **overrides):
+    return trl_fp8.GRPOTrainer(
+        model=model_dir, reward_funcs=[correctness_reward, format_reward], args=_args(tmp_path, **overrides),
+        train_dataset=make_arithmetic_dataset(200, seed=5), peft_config=peft_config or _lora(),
+    )
+
+
+def test_lora_serves_the_merged_weights_and_trains_on_them(tmp_path, demo_dir):
+    from peft.tuners.lora import LoraLayer
+
+    from trl_fp8.fair_cast.rounding import stochastic_round
+
+    trainer = _lora_trainer(tmp_path, demo_dir, learning_rate=1e-2)
+    twin = trainer._served_model
+    assert not any("lora" in n for n, _ in twin.named_parameters())  # a plain merged model
+    layers = {n: m for n, m in trainer.model.named_modules() if isinstance(m, LoraLayer)}
+    name, layer = next(iter(layers.items()))
+    served_name = name.removeprefix("base_model.model.") + ".weight"
+    twin_weight = dict(twin.named_parameters())[served_name]
+    base_before = layer.get_base_layer().weight.detach().clone()
+    calls = {"twin": 0, "checks": []}
+
+    def delta():
+        return layer.get_delta_weight("default")
+
+    def on_learner(module, args):
+        if torch.is_grad_enabled():  # the loss forward: effective weight == the served merged weight
+            effective = module.get_base_layer().weight + delta()
+            calls["checks"].append(torch.allclose(effective, twin_weight.float(), rtol=0, atol=1e-6))
+
+    twin.register_forward_pre_hook(lambda m, a: calls.__setitem__("twin", calls["twin"] + 1))
+    layer.register_forward_pre_hook(on_learner)
+    trainer.train()
+    assert calls["twin"] > 0 and calls["checks"] and all(calls["checks"])
+    served = trainer._fair_cast.served
+    unit = served.units[served_name]
+    assert torch.equal(unit.base_master, base_before)  # the fp32 base W never changes
+    assert torch.count_nonzero(layer.lora_B["default"].weight) > 0  # the adapters trained
+    with torch.no_grad():
+        merged = base_before + delta()
+    expected = stochastic_round(merged, seed=served.seed, step=served.step, index=served._index[served_name])
+    assert torch.equal(twin_weight.view(torch.int16), expected.view(torch.int16))
+    # frozen non-LoRA tensors are served once and never re-rounded
+    assert "model.embed_tokens.weight" not in served.trainable
+
+
+def test_lora_resume_is_exact(tmp_path, tiny_model_dir):
+    common = dict(fair_cast="stochastic", max_steps=4, save_strategy="steps", save_steps=2, learning_rate=5e-3)
+    straight = _lora_trainer(tmp_path, tiny_model_dir, **common)
+    straight.train()
+    resumed = _lora_trainer(tmp_path, tiny_model_dir, **{**common, "output_dir": str(tmp_path / "resumed")})
+    resumed.train(resume_from_checkpoint=os.path.join(straight.args.output_dir, "checkpoint-2"))
+    a, b = straight._fair_cast.served, resumed._fair_cast.served
+    for name in a.units:
+        assert torch.equal(a.served[name].view(torch.int16), b.served[name].view(torch.int16)), name
+    for (n, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [({"use_dora": True}, "does not support DoRA"), ({"modules_to_save": ["lm_head"]}, "modules_to_save")],
+)
+def test_unsupported_peft_setups_are_refused_clearly(tmp_path, tiny_model_dir, extra, message):
+    with pytest.raises(ValueError, match=message):
+        _lora_trainer(tmp_path, tiny_model_dir, peft_config=_lora(**extra))

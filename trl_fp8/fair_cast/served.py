@@ -27,16 +27,53 @@ METRIC_ELEMENTS = 65536  # elements sampled (fixed subset) for the metrics
 LAG_EMA = 0.9  # EMA factor of the per-step master update used by `lag_steps`
 
 
-class ServedCopy:
-    """Master/served bookkeeping for ``named_params`` (fp32 parameters, e.g. ``model.named_parameters()``).
+class ParamUnit:
+    """A served tensor that is one fp32 parameter of the learner (the usual case).
 
-    ``served_tensors`` maps each name to the tensor the sampler reads (e.g. the parameters of a low-precision
-    twin model); missing names get a fresh buffer.
+    The unit keeps the parameter's fp32 master; between optimizer steps the parameter holds the served value.
+    """
+
+    def __init__(self, name: str, param: torch.nn.Parameter):
+        if param.dtype != torch.float32:
+            raise TypeError(
+                f"Fair Cast needs fp32 master weights, but parameter '{name}' is {param.dtype}. Load the model in "
+                "float32 (e.g. model_init_kwargs={'dtype': 'float32'})."
+            )
+        self.name = name
+        self.param = param
+        self.trainable = param.requires_grad
+        self.master = param.detach().clone()
+
+    @property
+    def shape(self):
+        return self.param.shape
+
+    @property
+    def device(self):
+        return self.param.device
+
+    def capture(self) -> None:  # after the optimizer step: the parameter holds the new master
+        self.master.copy_(self.param.data)
+
+    def restore(self) -> None:  # before the optimizer step: the optimizer must step the master
+        self.param.data.copy_(self.master)
+
+    def apply(self, served: torch.Tensor) -> None:  # the learner computes on exactly the served value
+        self.param.data.copy_(served)
+
+
+class ServedCopy:
+    """Master/served bookkeeping for a list of units (see :class:`ParamUnit`; LoRA layers have their own).
+
+    A unit has ``name``, ``shape``, ``device``, ``trainable``, ``master`` (the fp32 value to export) and
+    ``capture()`` / ``restore()`` / ``apply(served)``. ``served_tensors`` maps unit names to the tensors the
+    sampler reads (e.g. the parameters of a low-precision twin model); missing names get a fresh buffer.
+    Frozen units are exported once, at :meth:`begin`: their master never changes.
     """
 
     def __init__(
         self,
-        named_params: Iterable[tuple[str, torch.nn.Parameter]],
+        units,
         mode: str,
         served_dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
@@ -48,37 +85,40 @@ class ServedCopy:
         self.mode = mode
         self.dtype = served_dtype
         self.seed = int(seed)
-        self.params: dict[str, torch.nn.Parameter] = {}
-        for name, p in named_params:
-            if p.dtype != torch.float32:
-                raise TypeError(
-                    f"Fair Cast needs fp32 master weights, but parameter '{name}' is {p.dtype}. Load the model in "
-                    "float32 (e.g. model_init_kwargs={'dtype': 'float32'})."
-                )
-            self.params[name] = p
-        if not self.params:
+        self.units = {u.name: u for u in units}
+        if not self.units:
             raise ValueError("Fair Cast: the model has no parameters to export.")
         served_tensors = served_tensors or {}
-        self.master = {n: p.detach().clone() for n, p in self.params.items()}
         self.served = {}
-        for n, p in self.params.items():
+        for n, u in self.units.items():
             t = served_tensors.get(n)
             if t is None:
-                t = torch.empty(p.shape, dtype=served_dtype, device=p.device)
-            elif t.shape != p.shape or t.dtype != served_dtype:
+                t = torch.empty(u.shape, dtype=served_dtype, device=u.device)
+            elif t.shape != u.shape or t.dtype != served_dtype:
                 raise ValueError(f"served tensor '{n}' is {t.dtype} {tuple(t.shape)}, expected {served_dtype} "
-                                 f"{tuple(p.shape)}")
+                                 f"{tuple(u.shape)}")
             self.served[n] = t
         self.residual = (
-            {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
+            {n: torch.zeros(u.shape, dtype=torch.float32, device=u.device) for n, u in self.units.items()}
             if mode == "error_feedback" else {}
         )
+        self._index = {n: i for i, n in enumerate(self.units)}
+        self.trainable = [n for n, u in self.units.items() if u.trainable] or list(self.units)
         self.step = 0
         self._init_metric_subset(metric_elements)
 
+    @classmethod
+    def from_named_params(cls, named_params: Iterable[tuple[str, torch.nn.Parameter]], mode: str, *args, **kwargs):
+        """A served copy of plain fp32 parameters, e.g. ``model.named_parameters()``."""
+        return cls([ParamUnit(n, p) for n, p in named_params], mode, *args, **kwargs)
+
+    @property
+    def master(self) -> dict[str, torch.Tensor]:
+        return {n: u.master for n, u in self.units.items()}
+
     # -- export ---------------------------------------------------------------------------------------------
-    def _export_one(self, index: int, name: str, step: int) -> None:
-        src, dst = self.master[name], self.served[name]
+    def _export_one(self, name: str, step: int) -> None:
+        src, dst, index = self.units[name].master, self.served[name], self._index[name]
         if self.mode == "rtn":
             round_nearest(src, self.dtype, out=dst)
         elif self.mode == "stochastic":
@@ -87,54 +127,52 @@ class ServedCopy:
             error_feedback_round(src, self.residual[name], self.dtype, out=dst)
 
     @torch.no_grad()
-    def export(self, step: int) -> None:
-        """Write every served tensor from its master with this copy's rule (randomness keyed by ``step``)."""
-        for index, name in enumerate(self.params):
-            self._export_one(index, name, step)
+    def export(self, step: int, names=None) -> None:
+        """Write served tensors from their masters with this copy's rule (randomness keyed by ``step``)."""
+        for name in self.units if names is None else names:
+            self._export_one(name, step)
         self.step = int(step)
 
     @torch.no_grad()
-    def load_served_into_params(self) -> None:
-        for n, p in self.params.items():
-            p.data.copy_(self.served[n])  # exact: every served value is an fp32 value
-
-    @torch.no_grad()
-    def load_master_into_params(self) -> None:
-        for n, p in self.params.items():
-            p.data.copy_(self.master[n])
-
-    @torch.no_grad()
-    def capture_master(self) -> None:
-        for n, p in self.params.items():
-            self.master[n].copy_(p.data)
+    def _apply(self, names) -> None:
+        for n in names:
+            self.units[n].apply(self.served[n])  # exact: every served value is an fp32 value
 
     # -- the optimizer-step cycle ----------------------------------------------------------------------------
+    @torch.no_grad()
     def begin(self, step: int = 0, restored: bool = False) -> None:
-        """Start (or resume) training: take the master from the params unless restored from a checkpoint."""
+        """Start (or resume) training: export everything unless restored from a checkpoint."""
         if not restored:
-            self.capture_master()
+            for u in self.units.values():
+                u.capture()
             self.export(step)
-        self.load_served_into_params()
+        self._apply(self.units)
         self._prev_master = self._sample(self.master)
         self._prev_served = self._sample(self.served)
 
+    @torch.no_grad()
     def before_step(self) -> None:
-        self.load_master_into_params()
+        for n in self.trainable:
+            self.units[n].restore()
 
+    @torch.no_grad()
     def after_step(self, step: int) -> dict[str, float]:
-        self.capture_master()
-        self.export(step)
-        self.load_served_into_params()
+        for n in self.trainable:
+            self.units[n].capture()
+        self.export(step, self.trainable)
+        self._apply(self.trainable)
         return self.metrics()
 
     # -- metrics on a fixed random subset ------------------------------------------------------------------------
     def _init_metric_subset(self, budget: int) -> None:
-        total = sum(p.numel() for p in self.params.values())
+        # metrics follow the units that change (the trainable ones)
+        sizes = {n: math.prod(self.units[n].shape) for n in self.trainable}
+        total = sum(sizes.values())
         gen = torch.Generator().manual_seed(self.seed ^ 0x5EED)
         self._subset = {}
-        for n, p in self.params.items():
-            k = max(1, min(p.numel(), math.ceil(budget * p.numel() / total)))
-            self._subset[n] = torch.randperm(p.numel(), generator=gen)[:k].to(p.device)
+        for n, numel in sizes.items():
+            k = max(1, min(numel, math.ceil(budget * numel / total)))
+            self._subset[n] = torch.randperm(numel, generator=gen)[:k].to(self.units[n].device)
         self._ema = None
         self._ema_steps = 0
         self._prev_master = self._prev_served = None
@@ -171,7 +209,7 @@ class ServedCopy:
             "served_dtype": str(self.dtype).replace("torch.", ""),
             "seed": self.seed,
             "step": self.step,
-            "master": {n: t.detach().cpu().clone() for n, t in self.master.items()},
+            "master": {n: u.master.detach().cpu().clone() for n, u in self.units.items() if isinstance(u, ParamUnit)},
             "served": {n: t.detach().cpu().clone() for n, t in self.served.items()},
             "residual": {n: t.detach().cpu().clone() for n, t in self.residual.items()},
         }
@@ -181,11 +219,13 @@ class ServedCopy:
         for key, mine in (("mode", self.mode), ("served_dtype", str(self.dtype).replace("torch.", ""))):
             if state.get(key) != mine:
                 raise ValueError(f"Fair Cast checkpoint has {key}={state.get(key)!r}, but this run uses {mine!r}.")
-        missing = set(self.master) - set(state["master"])
+        masters = [n for n, u in self.units.items() if isinstance(u, ParamUnit)]
+        missing = (set(masters) - set(state["master"])) | (set(self.units) - set(state["served"]))
         if missing:
-            raise ValueError(f"Fair Cast checkpoint lacks the master of: {', '.join(sorted(missing))}")
-        for n in self.master:
-            self.master[n].copy_(state["master"][n])
+            raise ValueError(f"Fair Cast checkpoint lacks the state of: {', '.join(sorted(missing))}")
+        for n in self.units:
+            if n in masters:
+                self.units[n].master.copy_(state["master"][n])
             self.served[n].copy_(state["served"][n])
             if self.residual:
                 self.residual[n].copy_(state["residual"][n])

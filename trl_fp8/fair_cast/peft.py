@@ -1,0 +1,101 @@
+"""Fair Cast units for PEFT LoRA models (no TRL imports).
+
+The served copy of a LoRA model is the *merged* model: for each LoRA layer the served weight is
+``export(W + ΔW)`` with ``ΔW`` the active adapters' delta (``get_delta_weight``). To compute the loss on exactly
+that served weight without changing PEFT's forward, the frozen base weight is set to ``q - ΔW`` between
+optimizer steps: the layer then computes ``(q - ΔW) x + ΔW x = q x`` (up to fp32 rounding of the unmerged
+forward), and the gradients of the LoRA factors are taken at the served weight (straight-through). The fp32 base
+``W`` is kept aside and never changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .served import ParamUnit
+
+PEFT_PREFIX = "base_model.model."
+LORA_PARAM_TOKENS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
+class LoraUnit:
+    """The merged weight of one LoRA layer as a served tensor."""
+
+    trainable = True
+
+    def __init__(self, name: str, layer):
+        base = layer.get_base_layer()
+        weight = getattr(base, "weight", None)
+        if weight is None or weight.dtype != torch.float32:
+            raise TypeError(
+                f"Fair Cast needs an fp32 base weight in LoRA layer '{name}', got "
+                f"{None if weight is None else weight.dtype} (quantized or low-precision bases are not supported)."
+            )
+        if any(layer.use_dora.get(a, False) for a in layer.active_adapters):
+            raise ValueError(f"Fair Cast does not support DoRA (layer '{name}'): its forward is not W + ΔW.")
+        if getattr(layer, "merged", False):
+            raise ValueError(f"LoRA layer '{name}' is merged; Fair Cast needs unmerged adapters.")
+        self.name = name
+        self.layer = layer
+        self.weight = weight
+        self.base_master = weight.detach().clone()
+
+    @property
+    def shape(self):
+        return self.weight.shape
+
+    @property
+    def device(self):
+        return self.weight.device
+
+    def _delta(self) -> torch.Tensor:
+        delta = torch.zeros_like(self.base_master)
+        for adapter in self.layer.active_adapters:
+            if adapter in self.layer.lora_A:
+                delta += self.layer.get_delta_weight(adapter).float()
+        return delta
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The fp32 merged weight W + ΔW at the current LoRA factors."""
+        return self.base_master + self._delta()
+
+    def capture(self) -> None:  # the master is derived from W and the live LoRA factors
+        pass
+
+    def restore(self) -> None:  # the optimizer steps the LoRA factors, not the base
+        pass
+
+    def apply(self, served: torch.Tensor) -> None:
+        self.weight.data.copy_(served.float() - self._delta())
+
+
+def _served_name(name: str) -> str:
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    return name.replace(".base_layer", "")
+
+
+def lora_units(peft_model) -> list:
+    """One unit per tensor of the merged model: :class:`LoraUnit` for LoRA layers, :class:`ParamUnit` else.
+
+    Names are those of ``merge_and_unload()``'s parameters (PEFT prefix and ``.base_layer`` removed).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    units, lora_weights = [], set()
+    for module_name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            unit = LoraUnit(_served_name(module_name) + ".weight", module)
+            units.append(unit)
+            lora_weights.add(id(unit.weight))
+    for name, param in peft_model.named_parameters():
+        if id(param) in lora_weights or any(f".{t}." in name for t in LORA_PARAM_TOKENS):
+            continue
+        if ".modules_to_save." in name or ".original_module." in name:
+            raise ValueError(
+                f"Fair Cast does not support PEFT `modules_to_save` yet (parameter '{name}'); train those modules "
+                "with LoRA or leave them frozen."
+            )
+        units.append(ParamUnit(_served_name(name), param))
+    return units
