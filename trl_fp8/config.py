@@ -120,11 +120,6 @@ class GRPOConfig(_TRLGRPOConfig):
                 "batching path casts the model to the mixed-precision dtype in place, which silently discards the "
                 "fp32 master. Use the default transformers generation or vLLM."
             )
-        if self.use_vllm:
-            raise ValueError(
-                f"{mode} with use_vllm=True is not supported yet: the served copy is pushed only to trl_fp8's "
-                "in-process sampler. Set use_vllm=False, or fair_cast='off'."
-            )
         if self.bf16 and self.served_dtype != "bfloat16":
             raise ValueError(
                 f"{mode}: bf16=True autocasts the learner to bfloat16, which would re-round a "

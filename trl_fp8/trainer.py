@@ -58,28 +58,33 @@ class GRPOTrainer(_TRLGRPOTrainer):
             from .fair_cast.peft import lora_units
 
             units = lora_units(model)
-            twin = copy.deepcopy(model).merge_and_unload()  # the sampler serves the merged model
         else:
             units = [ParamUnit(n, p) for n, p in model.named_parameters()]
-            twin = copy.deepcopy(model)
-        # The sampler: a twin of the policy whose parameters *are* the served tensors (buffers stay as they
-        # are, e.g. rotary frequencies in fp32, as an inference engine keeps them).
-        for p in twin.parameters():
-            p.data = p.data.to(dtype)
-            p.requires_grad_(False)
-        twin.eval()
-        served_tensors = dict(twin.named_parameters())
-        unit_names = {u.name for u in units}
-        if unit_names != set(served_tensors):
-            raise ValueError(
-                "Fair Cast could not match the learner's parameters to the served model's: only in the learner "
-                f"{sorted(unit_names - set(served_tensors))[:5]}, only served {sorted(set(served_tensors) - unit_names)[:5]}."
-            )
-        self._served_model = twin
-        self._fair_cast = FairCastCallback(
-            ServedCopy(units, self.args.fair_cast, dtype, self.args.resolved_fair_cast_seed(),
-                       served_tensors=served_tensors)
-        )
+        served_tensors = None
+        if not self.use_vllm:
+            # The in-process sampler: a twin of the policy (merged, for LoRA) whose parameters *are* the served
+            # tensors; buffers stay as they are (e.g. rotary frequencies in fp32, as inference engines keep them).
+            twin = copy.deepcopy(model).merge_and_unload() if _is_peft_model(model) else copy.deepcopy(model)
+            for p in twin.parameters():
+                p.data = p.data.to(dtype)
+                p.requires_grad_(False)
+            twin.eval()
+            served_tensors = dict(twin.named_parameters())
+            unit_names = {u.name for u in units}
+            if unit_names != set(served_tensors):
+                raise ValueError(
+                    "Fair Cast could not match the learner's parameters to the served model's: only in the "
+                    f"learner {sorted(unit_names - set(served_tensors))[:5]}, only served "
+                    f"{sorted(set(served_tensors) - unit_names)[:5]}."
+                )
+            self._served_model = twin
+        served = ServedCopy(units, self.args.fair_cast, dtype, self.args.resolved_fair_cast_seed(),
+                            served_tensors=served_tensors)
+        if self.use_vllm:
+            from .fair_cast.vllm import FairCastVLLMGeneration
+
+            FairCastVLLMGeneration.adopt(self.vllm_generation, served)  # TRL's sync now streams the served copy
+        self._fair_cast = FairCastCallback(served)
         self.add_callback(self._fair_cast)
 
     # Mirrors trl 1.16 GRPOTrainer._generate_single_turn: with Fair Cast and the in-process sampler, generate

@@ -131,7 +131,6 @@ def test_resume_from_a_checkpoint_without_fair_cast_state_is_refused(tmp_path, t
         ({"fair_cast": "nearest"}, "fair_cast='nearest' is not valid; allowed values: 'off', 'rtn'"),
         ({"served_dtype": "fp8"}, "served_dtype='fp8' is not valid; allowed values: 'bfloat16', 'float16'"),
         ({"fair_cast_seed": "x"}, "fair_cast_seed must be an integer"),
-        ({"use_vllm": True}, "use_vllm=True is not supported yet"),
         ({"use_transformers_continuous_batching": True}, "silently discards the fp32 master"),
         ({"bf16": True, "served_dtype": "float16"}, "served_dtype='float16' copy"),
     ],
