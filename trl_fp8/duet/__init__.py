@@ -1,0 +1,1 @@
+"""DUET: a per-step token budget for GRPO (rollouts per prompt, and when to stop a rollout)."""

@@ -1,0 +1,124 @@
+"""DUET's per-prompt surrogate: how informative a prompt's rollouts are, and how long they run.
+
+Pure Python/PyTorch, no TRL. Informativeness of a group of rollouts is the standard deviation of
+``g_i = Ā_i · Σ_t log π_old(y_i,t)`` (token-mean advantage times summed log-probability): zero when all
+rewards in the group agree. Warm prompts keep a running (Welford) mean of it and of their kept lengths, keyed by
+prompt id in a bounded LRU table; cold prompts get a prior.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+def informativeness(advantages: torch.Tensor, sum_logps: torch.Tensor) -> float:
+    """Std (population) of ``advantages * sum_logps`` over one group's kept rollouts; 0 for fewer than 2."""
+    g = torch.as_tensor(advantages, dtype=torch.float64) * torch.as_tensor(sum_logps, dtype=torch.float64)
+    if g.numel() < 2:
+        return 0.0
+    return float(g.std(unbiased=False))
+
+
+@dataclass
+class _Entry:
+    count: int = 0
+    mean_s: float = 0.0
+    mean_len: float = 0.0
+    since_update: int = 0
+
+
+class PromptStats:
+    """Running informativeness and length per prompt id (LRU-bounded to ``capacity`` prompts).
+
+    ``reprobe_every``: a warm prompt that has not been updated for that many allocations is flagged for a
+    re-probe (the trainer then gives it at least 2 rollouts), so a prompt once seen with zero variance does not
+    stay at one rollout -- which can never be updated -- for good.
+    """
+
+    def __init__(self, capacity: int = 100_000, prior_s: float = 1.0, default_length: float = 64.0,
+                 reprobe_every: int = 4):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.prior_s = float(prior_s)
+        self.default_length = float(default_length)
+        self.reprobe_every = int(reprobe_every)
+        self._table: OrderedDict[str, _Entry] = OrderedDict()
+        self._recent_lengths: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __contains__(self, key) -> bool:
+        return key in self._table
+
+    def update(self, key: str, s: float, lengths: list[float]) -> None:
+        """Record one observed group (>= 2 kept rollouts) of prompt ``key``."""
+        if len(lengths) < 2:
+            return
+        e = self._table.pop(key, None) or _Entry()
+        e.count += 1
+        e.mean_s += (s - e.mean_s) / e.count
+        e.mean_len += (sum(lengths) / len(lengths) - e.mean_len) / e.count
+        e.since_update = 0
+        self._table[key] = e  # most recently used at the end
+        while len(self._table) > self.capacity:
+            self._table.popitem(last=False)
+
+    def observe_batch_lengths(self, lengths: list[float]) -> None:
+        """Kept lengths of the latest batch: the length estimate of cold prompts."""
+        if lengths:
+            self._recent_lengths = list(lengths)
+
+    def cold_length(self) -> float:
+        if self._recent_lengths:
+            return sum(self._recent_lengths) / len(self._recent_lengths)
+        return self.default_length
+
+    def lookup(self, keys: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(s, L, warm, reprobe) tensors for ``keys``; counts one allocation for each warm key."""
+        s, lengths, warm, reprobe = [], [], [], []
+        for key in keys:
+            e = self._table.get(key)
+            if e is None:
+                s.append(self.prior_s)
+                lengths.append(self.cold_length())
+                warm.append(False)
+                reprobe.append(False)
+                continue
+            self._table.move_to_end(key)
+            e.since_update += 1
+            s.append(e.mean_s)
+            lengths.append(max(e.mean_len, 1.0))
+            warm.append(True)
+            reprobe.append(self.reprobe_every > 0 and e.since_update > self.reprobe_every)
+        return (torch.tensor(s, dtype=torch.float64), torch.tensor(lengths, dtype=torch.float64),
+                torch.tensor(warm), torch.tensor(reprobe))
+
+
+class LengthQuantiles:
+    """K1 / K2: the 30th / 80th percentiles of recent kept lengths, refit every ``refit_every`` steps once
+    ``min_count`` lengths were seen (until then both are infinite: no abort before calibration)."""
+
+    def __init__(self, q1: float = 0.3, q2: float = 0.8, window: int = 2048, refit_every: int = 10,
+                 min_count: int = 32):
+        self.q1, self.q2 = q1, q2
+        self.window, self.refit_every, self.min_count = window, refit_every, min_count
+        self.lengths: list[float] = []
+        self.k1 = self.k2 = math.inf
+        self._steps = 0
+
+    def add(self, lengths: list[float]) -> None:
+        self.lengths = (self.lengths + list(lengths))[-self.window:]
+
+    def step(self) -> None:
+        """Called once per training step; refits when due."""
+        if len(self.lengths) >= self.min_count and self._steps % self.refit_every == 0:
+            t = torch.tensor(self.lengths, dtype=torch.float64)
+            self.k1 = float(torch.quantile(t, self.q1))
+            self.k2 = float(torch.quantile(t, self.q2))
+        self._steps += 1
