@@ -17,7 +17,11 @@ from .fair_cast.rounding import SERVED_DTYPES as SERVED_TORCH_DTYPES
 from .fair_cast.served import EXPORT_MODES
 
 # Names of the fields trl_fp8 adds on top of trl.GRPOConfig (kept in sync by a test).
-TRL_FP8_FIELDS: tuple[str, ...] = ("metrics_jsonl", "fair_cast", "served_dtype", "fair_cast_seed")
+TRL_FP8_FIELDS: tuple[str, ...] = (
+    "metrics_jsonl", "fair_cast", "served_dtype", "fair_cast_seed",
+    "duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
+    "duet_min_propensity", "duet_max_weight",
+)
 FAIR_CAST_MODES = ("off",) + EXPORT_MODES
 SERVED_DTYPES = tuple(SERVED_TORCH_DTYPES)
 
@@ -46,6 +50,24 @@ class GRPOConfig(_TRLGRPOConfig):
             Dtype of the served copy: `"bfloat16"` or `"float16"` (GPUs without bf16, e.g. T4).
         fair_cast_seed (`int`, *optional*):
             Seed of the stochastic-rounding streams; defaults to one derived from `seed`.
+
+        > trl_fp8: DUET token budget
+
+        duet (`bool`, *optional*, defaults to `False`):
+            Spend a per-step token budget: a surrogate of each prompt's informativeness sets how many of the
+            `num_generations` slots get a real rollout, and a marker-gated rule stops rollouts early; importance
+            weights keep the gradient unbiased.
+        duet_budget (`float`, *optional*, defaults to `0.5`):
+            Fraction β in (0, 1] of the full GRPO budget (prompts × num_generations × mean rollout length).
+        duet_n_min (`int`, *optional*, defaults to `1`) / duet_n_max (`int`, *optional*):
+            Bounds on rollouts per prompt; `duet_n_max` defaults to (and may not exceed) `num_generations`.
+        duet_markers (`list[str]`, *optional*, defaults to `["math"]`):
+            Answer markers: preset names (`math`, `code`, `qa`) and/or regular expressions.
+        duet_abort_keep_prob (`float`, *optional*, defaults to `0.05`):
+            Probability that a marker-less rollout is kept (and weighted 1/p) instead of aborted; also the
+            probability that a rollout skips the confidence trim.
+        duet_min_propensity (`float`, *optional*, defaults to `0.05`) / duet_max_weight (`float`, defaults to `1000`):
+            Floor of the allocation propensity and cap of the importance weight.
     """
 
     metrics_jsonl: str | None = field(
@@ -77,6 +99,35 @@ class GRPOConfig(_TRLGRPOConfig):
         metadata={"help": "trl_fp8: seed of Fair Cast's stochastic rounding; default: derived from `seed`."},
     )
 
+    duet: bool = field(
+        default=False,
+        metadata={"help": "trl_fp8: DUET per-step token budget (rollouts per prompt and marker-gated early stop)."},
+    )
+    duet_budget: float = field(
+        default=0.5,
+        metadata={"help": "trl_fp8: DUET budget β in (0, 1], as a fraction of the full GRPO token budget."},
+    )
+    duet_n_min: int = field(default=1, metadata={"help": "trl_fp8: DUET minimum rollouts per prompt (>= 1)."})
+    duet_n_max: int | None = field(
+        default=None,
+        metadata={"help": "trl_fp8: DUET maximum rollouts per prompt; default and upper bound: num_generations."},
+    )
+    duet_markers: list[str] = field(
+        default_factory=lambda: ["math"],
+        metadata={"help": "trl_fp8: DUET answer markers: preset names ('math', 'code', 'qa') and/or regexes."},
+    )
+    duet_abort_keep_prob: float = field(
+        default=0.05,
+        metadata={"help": "trl_fp8: DUET probability of keeping (weight 1/p) a marker-less rollout instead of "
+                  "aborting it; also the probability of skipping the confidence trim."},
+    )
+    duet_min_propensity: float = field(
+        default=0.05, metadata={"help": "trl_fp8: DUET floor of the per-prompt allocation propensity, in (0, 1]."}
+    )
+    duet_max_weight: float = field(
+        default=1000.0, metadata={"help": "trl_fp8: DUET cap of the importance weight (>= 1)."}
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_trl_fp8_fields()
@@ -100,6 +151,39 @@ class GRPOConfig(_TRLGRPOConfig):
             raise ValueError(f"fair_cast_seed must be an integer or None, got {self.fair_cast_seed!r}.")
         if self.fair_cast_on:
             self._validate_fair_cast_combinations()
+        self._validate_duet()
+
+    def _validate_duet(self) -> None:
+        if not isinstance(self.duet, bool):
+            raise ValueError(f"duet must be True or False, got {self.duet!r}.")
+        if not (isinstance(self.duet_budget, (int, float)) and 0 < self.duet_budget <= 1):
+            raise ValueError(f"duet_budget must be in (0, 1], got {self.duet_budget!r}.")
+        if isinstance(self.duet_n_min, bool) or not isinstance(self.duet_n_min, int) or self.duet_n_min < 1:
+            raise ValueError(f"duet_n_min must be an integer >= 1, got {self.duet_n_min!r}.")
+        if self.duet_n_max is not None:
+            if isinstance(self.duet_n_max, bool) or not isinstance(self.duet_n_max, int):
+                raise ValueError(f"duet_n_max must be an integer or None, got {self.duet_n_max!r}.")
+            if self.duet_n_max > self.num_generations:
+                raise ValueError(
+                    f"duet_n_max={self.duet_n_max} exceeds num_generations={self.num_generations} (the slots per prompt)."
+                )
+        n_max = self.duet_n_max if self.duet_n_max is not None else self.num_generations
+        if self.duet_n_min > n_max:
+            raise ValueError(f"duet_n_min={self.duet_n_min} must be <= duet_n_max={n_max}.")
+        from .duet.markers import compile_markers
+
+        compile_markers(self.duet_markers)
+        for name in ("duet_abort_keep_prob", "duet_min_propensity"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}.")
+        if not (isinstance(self.duet_max_weight, (int, float)) and self.duet_max_weight >= 1):
+            raise ValueError(f"duet_max_weight must be >= 1, got {self.duet_max_weight!r}.")
+        if self.duet:
+            if self.use_vllm:
+                raise ValueError("duet=True is supported with trl_fp8's in-process sampler only, not use_vllm=True yet.")
+            if self.use_transformers_continuous_batching:
+                raise ValueError("duet=True cannot be combined with use_transformers_continuous_batching=True.")
         if self.metrics_jsonl is not None:
             if not isinstance(self.metrics_jsonl, (str, os.PathLike)) or not str(self.metrics_jsonl).strip():
                 raise ValueError(

@@ -42,6 +42,11 @@ class GRPOTrainer(_TRLGRPOTrainer):
         self._served_model = None
         if getattr(self.args, "fair_cast", "off") != "off":
             self._setup_fair_cast()
+        self._duet = None
+        self._duet_batch = None
+        self._duet_metrics: dict[str, list[float]] = {}
+        if getattr(self.args, "duet", False):
+            self._setup_duet()
         metrics_jsonl = getattr(self.args, "metrics_jsonl", None)
         if metrics_jsonl:
             self.add_callback(MetricsJsonlCallback(metrics_jsonl))
@@ -88,21 +93,149 @@ class GRPOTrainer(_TRLGRPOTrainer):
         self.add_callback(self._fair_cast)
 
     # Mirrors trl 1.16 GRPOTrainer._generate_single_turn: with Fair Cast and the in-process sampler, generate
-    # with the served twin instead of the fp32 learner; everything else is TRL's code path.
-    def _generate_single_turn(self, *args, **kwargs):
+    # with the served twin instead of the fp32 learner; with DUET, generate only the planned rollouts (with the
+    # early-stop criterion); everything else is TRL's code path.
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._duet is not None and self.model.training:
+            return self._duet_generate(prompt_ids, images, multimodal_fields, num_generations)
         if self._served_model is None or self.use_vllm or self.use_transformers_continuous_batching:
-            return super()._generate_single_turn(*args, **kwargs)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
         learner = self.model_wrapped
         self.model_wrapped = self._served_model
         try:
-            return super()._generate_single_turn(*args, **kwargs)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
         finally:
             self.model_wrapped = learner
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._fair_cast is not None and self.model.training:
-            logs.update(self._fair_cast.pop_metrics())
+        if self.model.training:
+            if self._fair_cast is not None:
+                logs.update(self._fair_cast.pop_metrics())
+            logs.update({k: sum(v) / len(v) for k, v in self._duet_metrics.items() if v})
+            self._duet_metrics.clear()
         super().log(logs, start_time)
+
+    # -- DUET --------------------------------------------------------------------------------------------------
+    def _setup_duet(self) -> None:
+        from .duet.controller import DuetController
+
+        if self.accelerator.num_processes > 1:
+            raise ValueError("duet=True runs on a single process for now (its per-prompt plan is not sharded).")
+        if self.tools or self.rollout_func is not None or self.environment_factories is not None:
+            raise ValueError("duet=True does not support tools, rollout_func or environments yet.")
+        a = self.args
+        self._duet = DuetController(
+            budget=a.duet_budget, slots=self.num_generations, n_min=a.duet_n_min, n_max=a.duet_n_max,
+            markers=a.duet_markers, keep_prob=a.duet_abort_keep_prob, min_propensity=a.duet_min_propensity,
+            max_weight=a.duet_max_weight, seed=a.seed, default_length=float(self.max_completion_length),
+        )
+
+    def _duet_generate(self, prompt_ids, images, multimodal_fields, num_generations):
+        import hashlib
+
+        if images is not None or multimodal_fields:
+            raise ValueError("duet=True supports text prompts only.")
+        slots = num_generations
+        if len(prompt_ids) % slots:
+            raise ValueError(f"DUET expects whole groups of {slots} slots, got {len(prompt_ids)} prompts.")
+        groups = len(prompt_ids) // slots
+        keys = [hashlib.sha1(repr(list(prompt_ids[g * slots])).encode()).hexdigest() for g in range(groups)]
+        full_length = self._duet.stats.cold_length()
+        plan = self._duet.plan(keys)
+        rows = plan.real_rows()
+        completions, sum_logps = self._duet_sample([prompt_ids[r] for r in rows], plan.monitors)
+        placeholder = [self.eos_token_ids[0]]  # a 1-token slot: reward None, loss mask 0 (see below)
+        completion_ids = [placeholder] * len(prompt_ids)
+        for r, ids in zip(rows, completions, strict=True):
+            completion_ids[r] = ids
+        lengths = [len(c) for c in completions]
+        self._duet_batch = {"plan": plan, "rows": rows, "lengths": lengths, "sum_logps": sum_logps}
+        aborted = sum(m.aborted for m in plan.monitors)
+        counts = plan.counts.double()
+        for name, value in (
+            ("duet/tokens", float(sum(lengths))),
+            ("duet/tokens_saved_frac", 1.0 - sum(lengths) / (len(prompt_ids) * full_length)),
+            ("duet/abort_frac", aborted / max(1, len(rows))),
+            ("duet/rollouts_per_prompt/mean", counts.mean().item()),
+            ("duet/rollouts_per_prompt/min", counts.min().item()),
+            ("duet/rollouts_per_prompt/max", counts.max().item()),
+        ) + ((("duet/lambda", plan.lam),) if plan.lam != float("inf") else ()):
+            self._duet_metrics.setdefault(name, []).append(value)
+        return completion_ids, None
+
+    # Mirrors trl 1.16 GRPOTrainer._generate_single_turn's transformers path (text prompts), adding DUET's
+    # stopping criterion; generates with the Fair Cast twin when there is one.
+    def _duet_sample(self, prompt_ids, monitors):
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+        from trl.models.utils import unwrap_model_for_generation
+        from trl.trainer.utils import pad
+
+        from .duet.sampling import DuetStoppingCriteria
+
+        device = self.accelerator.device
+        tensors = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(tensors, padding_value=self._tokenizer.pad_token_id, padding_side="left",
+                        pad_to_multiple_of=self.pad_to_multiple_of).to(device)
+        attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left",
+                             pad_to_multiple_of=self.pad_to_multiple_of).to(device)
+        prompt_length = input_ids.size(1)
+        criterion = DuetStoppingCriteria(monitors, self._tokenizer, prompt_length, self.eos_token_ids)
+        model = self._served_model if self._served_model is not None else self.model_wrapped
+        with (
+            unwrap_model_for_generation(
+                model, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+        ):
+            out = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                     generation_config=self.generation_config,
+                                     logits_processor=LogitsProcessorList([criterion.scores_tap]),
+                                     stopping_criteria=StoppingCriteriaList([criterion]))
+        completion = out[:, prompt_length:].cpu()
+        eos = torch.tensor(self.eos_token_ids)
+        result = []
+        for i, row in enumerate(completion):
+            if criterion.stop_at[i] is not None:
+                result.append(row[: criterion.stop_at[i]].tolist())  # a DUET stop: nothing after it
+                continue
+            is_eos = torch.isin(row, eos)
+            end = int(is_eos.int().argmax()) + 1 if is_eos.any() else row.numel()
+            result.append(row[:end].tolist())
+        return result, criterion.sum_logps
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._duet_batch is not None and self.model.training:
+            rewards[self._duet_excluded_rows(self._duet_batch, rewards.size(0)).to(rewards.device)] = torch.nan
+        return rewards
+
+    @staticmethod
+    def _duet_excluded_rows(batch: dict, total: int) -> torch.Tensor:
+        """Placeholder slots and aborted rollouts: no reward statistics, no gradient."""
+        excluded = torch.ones(total, dtype=torch.bool)
+        for r, monitor in zip(batch["rows"], batch["plan"].monitors, strict=True):
+            excluded[r] = monitor.aborted
+        return excluded
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        batch, self._duet_batch = self._duet_batch, None
+        if batch is None or not self.model.training:
+            return output
+        plan, rows = batch["plan"], batch["rows"]
+        advantages = output["advantages"]
+        excluded = self._duet_excluded_rows(batch, advantages.size(0)).to(advantages.device)
+        self._duet.observe(plan, batch["lengths"], advantages[rows].detach().cpu().double(), batch["sum_logps"])
+        weights = torch.zeros(advantages.size(0), dtype=advantages.dtype, device=advantages.device)
+        weights[rows] = self._duet.weights(plan).to(advantages.dtype).to(advantages.device)
+        output["advantages"] = advantages * weights
+        output["completion_mask"] = output["completion_mask"] * (~excluded).unsqueeze(1).to(
+            output["completion_mask"].dtype)
+        return output
 
     # Mirrors trl 1.16 GRPOTrainer._save_checkpoint (which writes extra state after the base checkpoint).
     def _save_checkpoint(self, model, trial):

@@ -12,24 +12,28 @@ MARKER_PRESETS: dict[str, tuple[str, ...]] = {
 
 
 def compile_markers(spec, field_name: str = "duet_markers") -> tuple[re.Pattern, ...]:
-    """A preset name (``"math"``, ``"code"``, ``"qa"``) or a non-empty list of regexes -> compiled patterns."""
+    """Preset names (``"math"``, ``"code"``, ``"qa"``) and/or regular expressions -> compiled patterns.
+
+    ``spec`` is one preset name or a non-empty list whose entries are preset names or regexes.
+    """
     if isinstance(spec, str):
         if spec not in MARKER_PRESETS:
             raise ValueError(
                 f"{field_name}={spec!r} is not valid; allowed: {', '.join(map(repr, MARKER_PRESETS))} or a list of "
-                "regular expressions."
+                "preset names and regular expressions."
             )
-        spec = MARKER_PRESETS[spec]
+        spec = [spec]
     if not isinstance(spec, (list, tuple)) or not spec:
-        raise ValueError(f"{field_name} must be a preset name or a non-empty list of regular expressions, got {spec!r}.")
+        raise ValueError(f"{field_name} must be a preset name or a non-empty list of markers, got {spec!r}.")
     patterns = []
     for item in spec:
         if not isinstance(item, str) or not item:
             raise ValueError(f"{field_name}: every marker must be a non-empty string, got {item!r}.")
-        try:
-            patterns.append(re.compile(item))
-        except re.error as err:
-            raise ValueError(f"{field_name}: invalid regular expression {item!r}: {err}.") from err
+        for regex in MARKER_PRESETS.get(item, (item,)):
+            try:
+                patterns.append(re.compile(regex))
+            except re.error as err:
+                raise ValueError(f"{field_name}: invalid regular expression {item!r}: {err}.") from err
     return tuple(patterns)
 
 

@@ -1,0 +1,123 @@
+"""DUET wired into trl_fp8.GRPOTrainer (in-process sampler)."""
+
+import random
+
+import pytest
+import torch
+
+import trl_fp8
+from trl_fp8.duet.abort import RolloutMonitor
+from trl_fp8.duet.markers import MarkerDetector
+from trl_fp8.duet.sampling import DuetStoppingCriteria
+from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+
+
+def _args(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=3, learning_rate=1e-3,
+        per_device_train_batch_size=32, num_generations=8, max_completion_length=16, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=3, duet=True,
+    )
+    kwargs.update(overrides)
+    return trl_fp8.GRPOConfig(**kwargs)
+
+
+class _Spy(trl_fp8.GRPOTrainer):
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self.seen.append((self._last_plan_rows, out))
+        return out
+
+    def _duet_generate(self, *args):
+        result = super()._duet_generate(*args)
+        self._last_plan_rows = (list(self._duet_batch["rows"]), self._duet_batch["plan"])
+        return result
+
+
+def _trainer(tmp_path, model_dir, dataset=None, cls=trl_fp8.GRPOTrainer, **overrides):
+    trainer = cls(model=model_dir, reward_funcs=[correctness_reward, format_reward], args=_args(tmp_path, **overrides),
+                  train_dataset=dataset or make_arithmetic_dataset(200, seed=5))
+    trainer.seen = []
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    from trl_fp8.demo.model import demo_model_path
+
+    return demo_model_path()
+
+
+def test_placeholder_slots_carry_no_gradient_and_real_rollouts_follow_the_plan(tmp_path, demo_dir):
+    trainer = _trainer(tmp_path, demo_dir, cls=_Spy, duet_budget=0.5)
+    trainer.train()
+    assert trainer.seen
+    for (rows, plan), out in trainer.seen:
+        total = out["advantages"].numel()
+        real = torch.zeros(total, dtype=torch.bool)
+        real[rows] = True
+        assert int(plan.counts.sum()) == len(rows) < total  # fewer real rollouts than slots at β = 0.5
+        mask = out["completion_mask"]
+        assert torch.all(mask[~real].sum(1) == 0)  # placeholders: no tokens in the loss
+        assert torch.all(out["advantages"][~real] == 0)
+        assert torch.all(mask[real].sum(1) > 0)
+        groups = total // 8
+        for g in range(groups):  # real rollouts fill the first n_q slots of each group
+            assert real[g * 8: g * 8 + int(plan.counts[g])].all() and not real[g * 8 + int(plan.counts[g]): (g + 1) * 8].any()
+    logged = trainer.state.log_history[0]
+    for key in ("duet/tokens", "duet/tokens_saved_frac", "duet/abort_frac", "duet/rollouts_per_prompt/mean",
+                "duet/rollouts_per_prompt/min", "duet/rollouts_per_prompt/max"):
+        assert key in logged
+    assert 0.3 < logged["duet/tokens_saved_frac"] < 0.7
+
+
+def test_repeated_prompts_warm_the_surrogate(tmp_path, demo_dir):
+    trainer = _trainer(tmp_path, demo_dir, dataset=make_arithmetic_dataset(8, seed=1), max_steps=6)
+    trainer.train()
+    assert len(trainer._duet.stats) > 0  # observed groups were recorded per prompt
+    assert trainer._duet.stats.cold_length() < 16
+
+
+def test_stopped_rows_generate_no_more_tokens(tiny_model_dir):
+    """An aborted rollout ends the generation for that row; when all rows stop, generate returns early."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, StoppingCriteriaList
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    enc = tok(["12+3=", "4+56="], return_tensors="pt", padding=True)
+
+    class _AlwaysAbort:
+        def random(self):
+            return 0.0
+
+    monitors = [RolloutMonitor(MarkerDetector(["NEVER"]), k1=0, k2=0, rng=_AlwaysAbort(), grace=4) for _ in range(2)]
+    crit = DuetStoppingCriteria(monitors, tok, enc["input_ids"].shape[1], eos_token_ids=[])  # as generate below
+    torch.manual_seed(0)
+    out = model.generate(**enc, do_sample=True, max_new_tokens=40, pad_token_id=tok.pad_token_id,
+                         eos_token_id=[], logits_processor=LogitsProcessorList([crit.scores_tap]),
+                         stopping_criteria=StoppingCriteriaList([crit]))
+    assert out.shape[1] - enc["input_ids"].shape[1] == 4  # stopped at k2 + grace, not at 40
+    assert crit.stop_at == [4, 4] and all(m.aborted for m in monitors)
+    assert torch.all(crit.sum_logps < 0)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"duet_budget": 0.0}, "duet_budget must be in \\(0, 1\\]"),
+        ({"duet_budget": 1.5}, "duet_budget must be in \\(0, 1\\]"),
+        ({"duet_n_min": 0}, "duet_n_min must be an integer >= 1"),
+        ({"duet_n_max": 9}, "duet_n_max=9 exceeds num_generations=8"),
+        ({"duet_n_min": 5, "duet_n_max": 4}, "duet_n_min=5 must be <= duet_n_max=4"),
+        ({"duet_markers": []}, "duet_markers must be a preset name or a non-empty list"),
+        ({"duet_markers": ["(unclosed"]}, "invalid regular expression"),
+        ({"duet_markers": "latex"}, "duet_markers='latex' is not valid"),
+        ({"duet_abort_keep_prob": 0.0}, "duet_abort_keep_prob must be in \\(0, 1\\]"),
+        ({"duet_min_propensity": 2.0}, "duet_min_propensity must be in \\(0, 1\\]"),
+        ({"duet_max_weight": 0.5}, "duet_max_weight must be >= 1"),
+        ({"use_vllm": True}, "in-process sampler only"),
+    ],
+)
+def test_config_validation(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _args(tmp_path, **overrides)

@@ -1,0 +1,90 @@
+"""The DUET controller: one object per trainer that plans each generation batch and learns from it.
+
+No TRL imports: the trainer hands it prompt keys, generated lengths, advantages and log-probabilities.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from .abort import RolloutMonitor
+from .allocation import allocate_rollouts, importance_weights, propensities
+from .markers import MarkerDetector
+from .surrogate import LengthQuantiles, PromptStats, informativeness
+
+
+@dataclass
+class BatchPlan:
+    """What DUET decided for one generation batch of ``groups`` prompts × ``slots`` slots."""
+
+    keys: list[str]
+    counts: torch.Tensor  # real rollouts per prompt
+    propensity: torch.Tensor  # per prompt
+    lam: float
+    slots: int
+    monitors: list[RolloutMonitor] = field(default_factory=list)  # one per real rollout, prompt by prompt
+
+    def real_rows(self) -> list[int]:
+        """Slot rows (in the full groups × slots layout) that hold a real rollout, in generation order."""
+        return [g * self.slots + j for g, n in enumerate(self.counts.tolist()) for j in range(n)]
+
+
+class DuetController:
+    def __init__(self, budget: float, slots: int, n_min: int = 1, n_max: int | None = None, markers=("math",),
+                 keep_prob: float = 0.05, min_propensity: float = 0.05, max_weight: float = 1000.0,
+                 seed: int = 0, default_length: float = 64.0, margin_threshold: float = 0.9):
+        self.budget = budget
+        self.slots = slots
+        self.n_min = n_min
+        self.n_max = n_max or slots
+        self.detector = MarkerDetector(list(markers))
+        self.keep_prob = keep_prob
+        self.min_propensity = min_propensity
+        self.max_weight = max_weight
+        self.margin_threshold = margin_threshold
+        self.stats = PromptStats(default_length=default_length)
+        self.quantiles = LengthQuantiles()
+        self.rng = random.Random(seed)
+
+    def plan(self, keys: list[str]) -> BatchPlan:
+        s, lengths, _, reprobe = self.stats.lookup(keys)
+        mean_len = self.stats.cold_length()
+        budget = self.budget * len(keys) * self.slots * mean_len
+        counts, lam = allocate_rollouts(s, lengths, budget, self.n_min, self.n_max)
+        if self.n_max >= 2:  # exploration floor: stale warm prompts get a group that can be observed again
+            counts = torch.where(reprobe, counts.clamp(min=2), counts)
+        plan = BatchPlan(keys, counts, propensities(counts, self.min_propensity), lam, self.slots)
+        plan.monitors = [
+            RolloutMonitor(self.detector, self.quantiles.k1, self.quantiles.k2, self.rng,
+                           margin_threshold=self.margin_threshold, keep_prob=self.keep_prob,
+                           trim_skip_prob=self.keep_prob)
+            for _ in range(int(counts.sum()))
+        ]
+        return plan
+
+    def weights(self, plan: BatchPlan) -> torch.Tensor:
+        """Per real rollout: importance weight, 0 for aborted rollouts."""
+        p = plan.propensity.repeat_interleave(plan.counts)
+        eps_kept = torch.tensor([m.eps_kept for m in plan.monitors], dtype=torch.bool)
+        aborted = torch.tensor([m.aborted for m in plan.monitors], dtype=torch.bool)
+        w = importance_weights(p, eps_kept, self.keep_prob, self.min_propensity, self.max_weight)
+        return torch.where(aborted, torch.zeros_like(w), w)
+
+    def observe(self, plan: BatchPlan, lengths: list[int], advantages: torch.Tensor, sum_logps: torch.Tensor) -> None:
+        """Learn from the batch: per-prompt informativeness and lengths of the kept (non-aborted) rollouts."""
+        kept_lengths = []
+        row = 0
+        for key, n in zip(plan.keys, plan.counts.tolist(), strict=True):
+            idx = [i for i in range(row, row + n) if not plan.monitors[i].aborted]
+            row += n
+            group_lengths = [lengths[i] for i in idx]
+            kept_lengths += group_lengths
+            if len(idx) >= 2:
+                s = informativeness(advantages[idx], sum_logps[idx])
+                self.stats.update(key, s, group_lengths)
+        self.stats.observe_batch_lengths(kept_lengths)
+        self.quantiles.add(kept_lengths)
+        self.quantiles.step()

@@ -1,0 +1,70 @@
+"""DUET's early stop inside ``transformers.generate``: a stopping criterion that runs one
+:class:`~trl_fp8.duet.abort.RolloutMonitor` per row (no TRL imports).
+
+Called after every decoding step with the sequences so far, and fed the processed next-token scores by its
+companion logits processor (:attr:`DuetStoppingCriteria.scores_tap`, appended after ``generate``'s own
+processors; ``generate`` only hands scores to stopping criteria when it stores them all), it reads the
+sampled token's log-probability (summed per row: the surrogate's ``Σ log π``), the top-1 minus top-2 probability
+margin, and every ``poll_every`` tokens the decoded tail for answer markers. Rows it stops produce no further
+tokens (``generate`` pads them and ends when every row is done).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessor, StoppingCriteria
+
+TAIL_TOKENS = 64  # decoded tail polled for markers
+
+
+class _ScoresTap(LogitsProcessor):
+    """Keeps the latest processed scores for the stopping criterion; changes nothing."""
+
+    def __init__(self):
+        self.scores = None
+
+    def __call__(self, input_ids, scores):
+        self.scores = scores
+        return scores
+
+
+class DuetStoppingCriteria(StoppingCriteria):
+    def __init__(self, monitors, tokenizer, prompt_length: int, eos_token_ids, poll_every: int = 8):
+        self.monitors = monitors
+        self.tokenizer = tokenizer
+        self.prompt_length = prompt_length
+        self.eos = torch.tensor(list(eos_token_ids), dtype=torch.long)
+        self.poll_every = poll_every
+        n = len(monitors)
+        self.sum_logps = torch.zeros(n, dtype=torch.float64)
+        self.stop_at = [None] * n  # number of completion tokens kept by a DUET stop/abort
+        self.finished = torch.zeros(n, dtype=torch.bool)  # ended by EOS
+        self.scores_tap = _ScoresTap()
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        t = input_ids.shape[1] - self.prompt_length
+        last = input_ids[:, -1].cpu()
+        probs = torch.softmax(self.scores_tap.scores.float(), dim=-1).cpu()
+        top2 = probs.topk(2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        token_logp = torch.log(probs.gather(1, last.unsqueeze(1)).squeeze(1).clamp_min(1e-30)).double()
+        done = torch.zeros(len(self.monitors), dtype=torch.bool)
+        poll = t % self.poll_every == 0
+        for i, monitor in enumerate(self.monitors):
+            if self.finished[i] or self.stop_at[i] is not None:
+                done[i] = True
+                continue
+            self.sum_logps[i] += token_logp[i]
+            if bool(torch.isin(last[i], self.eos)):
+                self.finished[i] = True
+                done[i] = True
+                continue
+            tail = None
+            if poll:
+                tail = self.tokenizer.decode(input_ids[i, max(self.prompt_length, input_ids.shape[1] - TAIL_TOKENS):],
+                                             skip_special_tokens=True)
+            monitor.step(t, margins[i], tail)
+            if monitor.done:
+                self.stop_at[i] = t
+                done[i] = True
+        return done.to(input_ids.device)
