@@ -88,3 +88,12 @@ def test_plot_command(tmp_path, capsys):
     assert main(["plot", str(empty)]) == 1
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path / "missing.jsonl")])
+
+
+def test_demo_command_with_duet_adds_its_curves(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--output-dir", str(out), "--max-steps", "3", "--no-progress", "--duet", "0.5"]) == 0
+    assert (out / "duet_tokens.png").is_file() and (out / "duet_allocation.png").is_file()
+    capsys.readouterr()
+    assert main(["demo", "--output-dir", str(out), "--max-steps", "3", "--no-progress", "--duet", "2"]) == 2
+    assert "duet_budget must be in (0, 1]" in capsys.readouterr().err

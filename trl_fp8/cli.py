@@ -91,10 +91,12 @@ def cmd_demo(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
     p.add_argument("--fair-cast", default=defaults.fair_cast, choices=["off", "rtn", "stochastic", "error_feedback"],
                    help="Fair Cast export rule of the served bf16 copy (default: %(default)s)")
+    p.add_argument("--duet", type=float, default=None, metavar="BUDGET",
+                   help="turn DUET on with this token budget β in (0, 1] (default: off)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     settings = DemoSettings(output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed,
-                            fair_cast=args.fair_cast, progress=not args.no_progress)
+                            fair_cast=args.fair_cast, duet_budget=args.duet, progress=not args.no_progress)
     summary = run_demo(settings)
     print(format_summary(summary))
     return 0

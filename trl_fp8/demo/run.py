@@ -34,6 +34,7 @@ class DemoSettings:
     seed: int = 0
     num_problems: int = 4000
     fair_cast: str = "stochastic"
+    duet_budget: float | None = None  # None: DUET off; else its budget β
     progress: bool = True
 
     def validate(self) -> None:
@@ -105,6 +106,8 @@ def build_demo_config(settings: DemoSettings, **overrides):
         data_seed=settings.seed,
         reward_weights=[1.0, 0.2],
         fair_cast=settings.fair_cast,
+        duet=settings.duet_budget is not None,
+        duet_budget=settings.duet_budget if settings.duet_budget is not None else 0.5,
         metrics_jsonl=str(out / "metrics.jsonl"),
         dataloader_num_workers=0,
     )
