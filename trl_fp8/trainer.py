@@ -11,20 +11,13 @@ import copy
 import os
 
 import torch
+from accelerate.utils import is_peft_model
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from .config import GRPOConfig
 from .report import MetricsJsonlCallback
 
 FAIR_CAST_STATE = "fair_cast_state.pt"
-
-
-def _is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(model, PeftModel)
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -59,7 +52,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
         model = self.accelerator.unwrap_model(self.model)
         dtype = SERVED_DTYPES[self.args.served_dtype]
-        if _is_peft_model(model):
+        if is_peft_model(model):
             from .fair_cast.peft import lora_units
 
             units = lora_units(model)
@@ -69,7 +62,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if not self.use_vllm:
             # The in-process sampler: a twin of the policy (merged, for LoRA) whose parameters *are* the served
             # tensors; buffers stay as they are (e.g. rotary frequencies in fp32, as inference engines keep them).
-            twin = copy.deepcopy(model).merge_and_unload() if _is_peft_model(model) else copy.deepcopy(model)
+            twin = copy.deepcopy(model).merge_and_unload() if is_peft_model(model) else copy.deepcopy(model)
             for p in twin.parameters():
                 p.data = p.data.to(dtype)
                 p.requires_grad_(False)
