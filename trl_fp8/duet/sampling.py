@@ -48,23 +48,18 @@ class DuetStoppingCriteria(StoppingCriteria):
         top2 = probs.topk(2, dim=-1).values
         margins = (top2[:, 0] - top2[:, 1]).tolist()
         token_logp = torch.log(probs.gather(1, last.unsqueeze(1)).squeeze(1).clamp_min(1e-30)).double()
-        done = torch.zeros(len(self.monitors), dtype=torch.bool)
+        active = ~(self.finished | self._stopped())  # rows that generated this token
+        self.sum_logps += torch.where(active, token_logp, torch.zeros_like(token_logp))
+        self.finished |= active & torch.isin(last, self.eos)
         poll = t % self.poll_every == 0
-        for i, monitor in enumerate(self.monitors):
-            if self.finished[i] or self.stop_at[i] is not None:
-                done[i] = True
-                continue
-            self.sum_logps[i] += token_logp[i]
-            if bool(torch.isin(last[i], self.eos)):
-                self.finished[i] = True
-                done[i] = True
-                continue
-            tail = None
-            if poll:
-                tail = self.tokenizer.decode(input_ids[i, max(self.prompt_length, input_ids.shape[1] - TAIL_TOKENS):],
-                                             skip_special_tokens=True)
+        start = max(self.prompt_length, input_ids.shape[1] - TAIL_TOKENS)
+        for i in (active & ~self.finished).nonzero().flatten().tolist():
+            tail = self.tokenizer.decode(input_ids[i, start:], skip_special_tokens=True) if poll else None
+            monitor = self.monitors[i]
             monitor.step(t, margins[i], tail)
             if monitor.done:
                 self.stop_at[i] = t
-                done[i] = True
-        return done.to(input_ids.device)
+        return (self.finished | self._stopped()).to(input_ids.device)
+
+    def _stopped(self) -> torch.Tensor:
+        return torch.tensor([s is not None for s in self.stop_at], dtype=torch.bool)
