@@ -35,6 +35,7 @@ def test_defaults_leave_trl_fields_untouched(tmp_path):
         "metrics_jsonl": None, "fair_cast": "off", "served_dtype": "bfloat16", "fair_cast_seed": None,
         "duet": False, "duet_budget": 0.5, "duet_n_min": 1, "duet_n_max": None, "duet_markers": ["math"],
         "duet_abort_keep_prob": 0.05, "duet_min_propensity": 0.05, "duet_max_weight": 1000.0,
+        "sync_checks": "default", "sync_check_interval": 1, "sync_check_action": "raise",
     }
 
 

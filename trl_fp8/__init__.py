@@ -9,6 +9,7 @@ Change one import and keep the rest of a TRL GRPO script::
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
 from .config import GRPOConfig
+from .sync import WeightSyncError, WeightSyncWarning
 from .trainer import GRPOTrainer
 from .utils import get_kbit_device_map
 
@@ -20,6 +21,8 @@ __all__ = [
     "ModelConfig",
     "ScriptArguments",
     "TrlParser",
+    "WeightSyncError",
+    "WeightSyncWarning",
     "get_kbit_device_map",
     "get_peft_config",
     "get_quantization_config",

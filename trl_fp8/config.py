@@ -21,7 +21,9 @@ TRL_FP8_FIELDS: tuple[str, ...] = (
     "metrics_jsonl", "fair_cast", "served_dtype", "fair_cast_seed",
     "duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
     "duet_min_propensity", "duet_max_weight",
+    "sync_checks", "sync_check_interval", "sync_check_action",
 )
+SYNC_CHECK_ACTIONS = ("raise", "warn")
 FAIR_CAST_MODES = ("off",) + EXPORT_MODES
 SERVED_DTYPES = tuple(SERVED_TORCH_DTYPES)
 
@@ -68,6 +70,20 @@ class GRPOConfig(_TRLGRPOConfig):
             probability that a rollout skips the confidence trim.
         duet_min_propensity (`float`, *optional*, defaults to `0.05`) / duet_max_weight (`float`, defaults to `1000`):
             Floor of the allocation propensity and cap of the importance weight.
+
+        > trl_fp8: weight-sync checks
+
+        sync_checks (`str` or `list[str]`, *optional*, defaults to `"default"`):
+            Which of the seven sampler/learner weight-sync checks run: `"default"` (all but the differential
+            oracle; cheap enough for production), `"all"`, `"off"`, or a list of names among `recipe_parity`,
+            `coverage`, `freshness`, `quant_parity`, `logprob_agreement`, `differential_oracle`, `cache_hygiene`.
+            They run whenever the sampler is separate from the learner (Fair Cast's twin, vLLM); TRL's default
+            in-process sampler *is* the learner, so there is nothing to check and nothing runs.
+        sync_check_interval (`int`, *optional*, defaults to `1`):
+            Run the per-sync checks every N syncs and the logprob check every N generations.
+        sync_check_action (`str`, *optional*, defaults to `"raise"`):
+            On a failed check: `"raise"` a `trl_fp8.WeightSyncError`, or `"warn"` (a `WeightSyncWarning`; the
+            metric `sync/<check>` drops to 0) and keep training.
     """
 
     metrics_jsonl: str | None = field(
@@ -128,6 +144,21 @@ class GRPOConfig(_TRLGRPOConfig):
         default=1000.0, metadata={"help": "trl_fp8: DUET cap of the importance weight (>= 1)."}
     )
 
+    sync_checks: str = field(
+        default="default",
+        metadata={"help": "trl_fp8: weight-sync checks to run: 'default', 'all', 'off' or check names (a list, or "
+                  "comma-separated on the command line: recipe_parity, coverage, freshness, quant_parity, logprob_agreement, differential_oracle, "
+                  "cache_hygiene)."},
+    )
+    sync_check_interval: int = field(
+        default=1, metadata={"help": "trl_fp8: run the weight-sync checks every N syncs / generations (>= 1)."}
+    )
+    sync_check_action: str = field(
+        default="raise",
+        metadata={"help": "trl_fp8: on a failed weight-sync check, 'raise' a WeightSyncError or 'warn'.",
+                  "choices": list(SYNC_CHECK_ACTIONS)},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_trl_fp8_fields()
@@ -152,6 +183,27 @@ class GRPOConfig(_TRLGRPOConfig):
         if self.fair_cast_on:
             self._validate_fair_cast_combinations()
         self._validate_duet()
+        self._validate_sync_checks()
+
+    def _validate_sync_checks(self) -> None:
+        from .sync.checks import resolve_checks
+
+        if isinstance(self.sync_checks, (list, tuple)) and len(self.sync_checks) == 1 and self.sync_checks[0] in (
+                "default", "all", "off"):
+            self.sync_checks = self.sync_checks[0]  # a one-item list from the command line
+        if not isinstance(self.sync_checks, (str, list, tuple)):
+            raise ValueError(f"sync_checks must be 'default', 'all', 'off' or a list of check names, got "
+                             f"{self.sync_checks!r}.")
+        resolve_checks(self.sync_checks)  # ValueError naming the unknown check(s) and the known ones
+        if isinstance(self.sync_check_interval, bool) or not isinstance(self.sync_check_interval, int) or \
+                self.sync_check_interval < 1:
+            raise ValueError(f"sync_check_interval must be an integer >= 1, got {self.sync_check_interval!r}.")
+        check_choice("sync_check_action", self.sync_check_action, SYNC_CHECK_ACTIONS)
+
+    def resolved_sync_checks(self) -> tuple[str, ...]:
+        from .sync.checks import resolve_checks
+
+        return resolve_checks(self.sync_checks)
 
     def _validate_duet(self) -> None:
         if not isinstance(self.duet, bool):

@@ -18,6 +18,7 @@ from .config import GRPOConfig
 from .report import MetricsJsonlCallback
 
 FAIR_CAST_STATE = "fair_cast_state.pt"
+LOGPROB_CHECK_ROWS = 4  # rollouts re-scored by the in-process twin for the logprob check (vLLM: all, for free)
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -30,11 +31,15 @@ class GRPOTrainer(_TRLGRPOTrainer):
     _tag_names = ["trl", "grpo", "trl-fp8"]
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *pargs, **kwargs):
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        with self._engine_context(args):
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._fair_cast = None
         self._served_model = None
+        self._sampler = None  # the in-process sampler, when it is separate from the learner (Fair Cast's twin)
+        self._sync = None
         if getattr(self.args, "fair_cast", "off") != "off":
             self._setup_fair_cast()
+        self._setup_sync()
         self._duet = None
         self._duet_batch = None
         self._duet_metrics: dict[str, list[float]] = {}
@@ -76,8 +81,16 @@ class GRPOTrainer(_TRLGRPOTrainer):
                     f"{sorted(set(served_tensors) - unit_names)[:5]}."
                 )
             self._served_model = twin
-        served = ServedCopy(units, self.args.fair_cast, dtype, self.args.resolved_fair_cast_seed(),
-                            served_tensors=served_tensors)
+        served = ServedCopy(units, self.args.fair_cast, dtype, self.args.resolved_fair_cast_seed())
+        if served_tensors is not None:
+            # The served copy has its own buffers; the twin receives them through a sync before each generation
+            # (so the weight-sync checks have a real sync to check). Until the first export: the twin's values.
+            from .sync.samplers import TransformersSampler
+
+            with torch.no_grad():
+                for name, tensor in served.served.items():
+                    tensor.copy_(served_tensors[name])
+            self._sampler = TransformersSampler(twin)
         if self.use_vllm:
             from .fair_cast.vllm import FairCastVLLMGeneration
 
@@ -91,9 +104,12 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._duet is not None and self.model.training:
             return self._duet_generate(prompt_ids, images, multimodal_fields, num_generations)
+        if self.use_vllm and hasattr(self.vllm_generation, "sync_step"):
+            self.vllm_generation.sync_step = self.state.global_step  # the version the checks expect
         if self._served_model is None or self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
+        self._sync_in_process_sampler()
         learner = self.model_wrapped
         self.model_wrapped = self._served_model
         try:
@@ -108,7 +124,106 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 logs.update(self._fair_cast.pop_metrics())
             logs.update({k: sum(v) / len(v) for k, v in self._duet_metrics.items() if v})
             self._duet_metrics.clear()
+            if self._sync is not None:
+                logs.update(self._sync.pop_metrics())
         super().log(logs, start_time)
+
+    # -- weight-sync checks ------------------------------------------------------------------------------------
+    @staticmethod
+    def _engine_context(args):
+        """vLLM-CPU colocate: build the engine with plain linear weights, so TRL's sync can write them."""
+        import contextlib
+
+        if args is None or not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "colocate":
+            return contextlib.nullcontext()
+        from .sync.vllm import plain_cpu_linears, vllm_platform_is_cpu
+
+        return plain_cpu_linears() if vllm_platform_is_cpu() else contextlib.nullcontext()
+
+    def _setup_sync(self) -> None:
+        import logging
+
+        from .sync.monitor import LearnerSide, SyncMonitor
+        from .sync.samplers import dense_recipe
+
+        checks = self.args.resolved_sync_checks() if hasattr(self.args, "resolved_sync_checks") else ()
+        if not checks:
+            return
+        log = logging.getLogger("trl_fp8.sync")
+        if not self.use_vllm and self._sampler is None:
+            log.info("weight-sync checks: the in-process sampler is the learner itself; nothing to check.")
+            return
+        if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            log.warning("weight-sync checks run on a single process without DeepSpeed/FSDP for now; they are off "
+                        "for this run (sync_checks=%r).", self.args.sync_checks)
+            return
+        served = self._fair_cast.served if self._fair_cast is not None else None
+        if served is not None:  # the learner's quantizer is the Fair Cast export; the sampler must not re-round
+            recipe = dict.fromkeys(served.served, {**dense_recipe(served.dtype), "cast": "none"})
+            learner = LearnerSide(lambda: served.served.items(), lambda n: served.served[n], recipe)
+        else:  # TRL's stream: learner parameters, cast by the engine's load (round-to-nearest)
+            from trl.generation.vllm_generation import VLLMGeneration
+
+            stream = lambda: VLLMGeneration._iter_named_params(self.vllm_generation)  # noqa: E731
+            params = dict(stream())
+            intended = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+            recipe = {n: {**dense_recipe(intended or t.dtype), "cast": "rtn" if intended not in (None, t.dtype)
+                          else "none"} for n, t in params.items()}
+            learner = LearnerSide(stream, lambda n: params[n].to(intended or params[n].dtype), recipe)
+        if not self.use_vllm:
+            sampler = self._sampler
+        elif self.vllm_mode == "colocate":
+            from .sync.samplers import VLLMColocateSampler
+
+            sampler = VLLMColocateSampler(self.vllm_generation.llm, learner.shapes)
+        else:
+            from .sync.samplers import VLLMServerSampler
+
+            sampler = VLLMServerSampler(self.vllm_generation.vllm_client,
+                                        {n: (s, None) for n, s in learner.shapes.items()})
+        self._sync = SyncMonitor(checks, sampler, learner, self.args.sync_check_interval,
+                                 self.args.sync_check_action)
+        if self.use_vllm:
+            from .sync.vllm import CheckedVLLMGeneration
+
+            CheckedVLLMGeneration.adopt(self.vllm_generation, served, self._sync)
+
+    def _sync_in_process_sampler(self) -> None:
+        """Bring the in-process twin to the current export (once per learner step), checking the sync."""
+        from .sync.monitor import SyncLog
+
+        sampler, step = self._sampler, self.state.global_step
+        if sampler is None or sampler.version() == step:
+            return
+        if self._sync is not None:
+            self._sync.before_sync(step)
+        log = SyncLog()
+        sampler.load(log.tap(self._fair_cast.served.served.items()))
+        sampler.set_version(step)
+        if self._sync is not None:
+            self._sync.after_sync(step, log)
+
+    @torch.no_grad()
+    def _check_logprobs(self, output) -> None:
+        """``logprob_agreement`` on the tokens just generated: the sampler's logprobs (vLLM returns them) or, for
+        the in-process twin, a forward of the twin on a few rollouts, against the learner's."""
+        mask = output["completion_mask"]
+        if "sampling_per_token_logps" in output and "old_per_token_logps" in output:
+            learner, sampler = output["old_per_token_logps"], output["sampling_per_token_logps"]
+        elif self._served_model is not None:
+            rows = torch.nonzero(mask.sum(1) > 0).flatten()[:LOGPROB_CHECK_ROWS]
+            if rows.numel() == 0:
+                return
+            ids = torch.cat([output["prompt_ids"][rows], output["completion_ids"][rows]], dim=1)
+            attention = torch.cat([output["prompt_mask"][rows], mask[rows]], dim=1)
+            keep = output["completion_ids"].size(1)
+            with self.compute_loss_context_manager():
+                learner, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention, keep)
+            sampler, _, _ = self._get_per_token_logps_and_entropies(self._served_model, ids, attention, keep)
+            mask = mask[rows]
+        else:
+            return
+        self._sync.after_generation(self.state.global_step, learner, sampler, mask)
 
     # -- DUET --------------------------------------------------------------------------------------------------
     def _setup_duet(self) -> None:
@@ -175,6 +290,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
                              pad_to_multiple_of=self.pad_to_multiple_of).to(device)
         prompt_length = input_ids.size(1)
         criterion = DuetStoppingCriteria(monitors, self._tokenizer, prompt_length, self.eos_token_ids)
+        if self._served_model is not None:
+            self._sync_in_process_sampler()
         model = self._served_model if self._served_model is not None else self.model_wrapped
         with (
             unwrap_model_for_generation(
@@ -215,7 +332,12 @@ class GRPOTrainer(_TRLGRPOTrainer):
         return excluded
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        output = self._duet_adjust(super()._generate_and_score_completions(inputs))
+        if self._sync is not None and self.model.training and self._sync.logprob_due():
+            self._check_logprobs(output)
+        return output
+
+    def _duet_adjust(self, output):
         batch, self._duet_batch = self._duet_batch, None
         if batch is None or not self.model.training:
             return output

@@ -187,6 +187,8 @@ def test_lora_serves_the_merged_weights_and_trains_on_them(tmp_path, demo_dir):
     with torch.no_grad():
         merged = base_before + delta()
     expected = stochastic_round(merged, seed=served.seed, step=served.step, index=served._index[served_name])
+    assert torch.equal(served.served[served_name].view(torch.int16), expected.view(torch.int16))
+    trainer._sync_in_process_sampler()  # the twin receives the latest export at the next generation's sync
     assert torch.equal(twin_weight.view(torch.int16), expected.view(torch.int16))
     # frozen non-LoRA tensors are served once and never re-rounded
     assert "model.embed_tokens.weight" not in served.trainable

@@ -54,6 +54,9 @@ class FairCastVLLMGeneration(VLLMGeneration):
 
     # Mirrors trl 1.16 VLLMGeneration._iter_named_params: same names, but the served tensors.
     def _iter_named_params(self):
+        if getattr(self, "served", None) is None:  # no Fair Cast: TRL's own stream
+            yield from super()._iter_named_params()
+            return
         if not self._engine_checked:
             self.check_engine_dtype()
         for name, tensor in self.served.served.items():

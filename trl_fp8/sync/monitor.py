@@ -1,0 +1,174 @@
+"""Runs the weight-sync checks around each sync and each step, and turns failures into errors or warnings.
+
+Cadence (``interval`` = ``sync_check_interval``):
+
+- first sync: ``recipe_parity``; ``differential_oracle`` (cold state A, perturbed B: warm A→B == cold B where the
+  sampler can be built cold, B twice == B, A→B→A == A) runs *before* it;
+- every ``interval``-th sync: ``coverage``, ``freshness``, ``quant_parity``, ``cache_hygiene``; every
+  ``10 × interval``-th sync the oracle reloads the current weights (B twice == B);
+- every ``interval``-th step: ``logprob_agreement`` on the tokens just generated.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+
+from . import checks as C
+from .samplers import Sampler
+
+logger = logging.getLogger("trl_fp8.sync")
+ORACLE_EVERY = 10  # the oracle's reload re-runs every ORACLE_EVERY × interval syncs
+
+
+class LearnerSide:
+    """What the learner means the sampler to serve.
+
+    ``exported()`` yields the tensors a sync streams (learner names); ``reference(name)`` is the learner's
+    quantizer applied to its weight, in the served dtype (what the sampler must compute with); ``recipe`` maps
+    each served name to its recipe (see :data:`checks.RECIPE_FIELDS`).
+    """
+
+    def __init__(self, exported: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+                 reference: Callable[[str], torch.Tensor], recipe: dict[str, dict]):
+        self.exported = exported
+        self.reference = reference
+        self.recipe = recipe
+        self.shapes = {n: tuple(t.shape) for n, t in exported()}
+
+
+class SyncLog:
+    """What one sync streamed: counts, shapes, dtypes and (references to) the tensors, per learner name."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.reset_ok: bool | None = None
+
+    def tap(self, named: Iterable[tuple[str, torch.Tensor]]):
+        for name, tensor in named:
+            self.counts[name] = self.counts.get(name, 0) + 1
+            self.tensors[name] = tensor
+            yield name, tensor
+
+
+class SyncMonitor:
+    def __init__(self, checks: Iterable[str], sampler: Sampler, learner: LearnerSide, interval: int = 1,
+                 action: str = "raise"):
+        self.sampler = sampler
+        self.learner = learner
+        self.interval = max(1, int(interval))
+        self.action = action
+        wanted = C.resolve_checks(checks) if isinstance(checks, str) else tuple(checks)
+        self.skipped = tuple(c for c in wanted if c not in sampler.supports)
+        self.checks = tuple(c for c in wanted if c in sampler.supports)
+        if self.skipped:
+            logger.info("weight-sync checks %s are not available with a %s sampler; running %s",
+                        ", ".join(self.skipped), sampler.kind, ", ".join(self.checks) or "none")
+        self.band = C.LogprobBand()
+        self.syncs = 0
+        self.steps = 0
+        self.pending: dict[str, list[float]] = {}
+        self.failures: list[C.CheckResult] = []
+
+    def enabled(self, check: str) -> bool:
+        return check in self.checks
+
+    # -- reporting ----------------------------------------------------------------------------------------------
+    def report(self, result: C.CheckResult) -> None:
+        self.pending.setdefault(f"sync/{result.check}", []).append(1.0 if result.passed else 0.0)
+        for key, value in result.metrics.items():
+            if key.startswith("logp_gap"):
+                self.pending.setdefault(f"sync/{key}", []).append(float(value))
+        if result.passed:
+            return
+        self.failures.append(result)
+        if self.action == "raise":
+            raise C.WeightSyncError(result.check, result.message)
+        warnings.warn(f"[{result.check}] {result.message}", C.WeightSyncWarning, stacklevel=3)
+
+    def pop_metrics(self) -> dict[str, float]:
+        out = {k: sum(v) / len(v) for k, v in self.pending.items() if v}
+        self.pending.clear()
+        return out
+
+    # -- around a sync ------------------------------------------------------------------------------------------
+    def _state(self, sampler: Sampler, step: int) -> dict[str, torch.Tensor]:
+        state = {n: sampler.read(n).detach().clone() for n in self.learner.shapes if n in sampler.manifest()}
+        for alias, (effective, _) in sampler.alias_reads(step).items():
+            state[f"{alias} (effective)"] = effective.detach().clone()
+        return state
+
+    @torch.no_grad()
+    def before_sync(self, step: int) -> None:
+        if self.syncs == 0 and self.enabled("differential_oracle"):
+            self.report(self.startup_oracle(step))
+
+    @torch.no_grad()
+    def startup_oracle(self, step: int) -> C.CheckResult:
+        s = self.sampler
+        a = {n: s.read(n).detach().clone() for n in self.learner.shapes if n in s.manifest()}
+        b = {n: (torch.nextafter(t, torch.full_like(t, float("inf"))) if t.is_floating_point() else t)
+             for n, t in a.items()}
+        state_a = self._state(s, step)
+        s.load(b.items())
+        state_ab = self._state(s, step)
+        problems = []
+        cold = s.cold(b)
+        if cold is not None:
+            problems.append(C.compare_states("warm A→B vs cold B", self._state(cold, step), state_ab))
+        s.load(b.items())
+        problems.append(C.compare_states("B loaded twice vs once", state_ab, self._state(s, step)))
+        s.load(a.items())
+        problems.append(C.compare_states("A→B→A vs A", state_a, self._state(s, step)))
+        s.reset_cache()
+        problems = [p for p in problems if p]
+        if problems:
+            return C.CheckResult("differential_oracle", False, "; ".join(problems))
+        return C.CheckResult("differential_oracle", True)
+
+    @torch.no_grad()
+    def after_sync(self, step: int, log: SyncLog) -> None:
+        s, first = self.sampler, self.syncs == 0
+        self.syncs += 1
+        due = (self.syncs - 1) % self.interval == 0
+        manifest = s.manifest() if (first or due) and self.checks else {}
+        if first and self.enabled("recipe_parity"):
+            sampler_recipe = s.recipe()
+            for name, entry in sampler_recipe.items():  # the cast the sampler's load applied (copy_: RTN)
+                sent = log.tensors.get(name)
+                entry["cast"] = "none" if sent is None or sent.dtype == manifest[name][1] else "rtn"
+            self.report(C.recipe_parity(self.learner.recipe, sampler_recipe))
+        if not due:
+            return
+        if self.enabled("coverage"):
+            self.report(C.coverage(
+                log.counts, self.learner.shapes, s.targets(self.learner.shapes),
+                {n: tuple(t.shape) for n, t in log.tensors.items()}, {n: v[0] for n, v in manifest.items()}))
+        if self.enabled("freshness"):
+            sent = {n: t for n, t in log.tensors.items() if n in manifest}
+            self.report(C.freshness(step, s.version(), sent, s.read, s.alias_reads(step)))
+        if self.enabled("quant_parity"):
+            self.report(C.quant_parity([n for n in self.learner.shapes if n in manifest], self.learner.reference,
+                                       s.read))
+        if self.enabled("cache_hygiene"):
+            self.report(C.cache_hygiene(step, log.reset_ok, s.cached_blocks()))
+        if self.enabled("differential_oracle") and not first and (self.syncs - 1) % (ORACLE_EVERY * self.interval) == 0:
+            before = self._state(s, step)
+            s.load((n, t) for n, t in log.tensors.items() if n in manifest)
+            problem = C.compare_states("B loaded twice vs once", before, self._state(s, step))
+            s.reset_cache()
+            self.report(C.CheckResult("differential_oracle", problem is None, problem or ""))
+
+    # -- after a generation -------------------------------------------------------------------------------------
+    def logprob_due(self) -> bool:
+        """Call once per generation: whether ``logprob_agreement`` runs on it."""
+        due = self.enabled("logprob_agreement") and self.steps % self.interval == 0
+        self.steps += 1
+        return due
+
+    def after_generation(self, step: int, learner_logps, sampler_logps, mask) -> None:
+        self.report(self.band.check(learner_logps, sampler_logps, mask, step))

