@@ -68,6 +68,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
             # The in-process sampler: a twin of the policy (merged, for LoRA) whose parameters *are* the served
             # tensors; buffers stay as they are (e.g. rotary frequencies in fp32, as inference engines keep them).
             twin = copy.deepcopy(model).merge_and_unload() if is_peft_model(model) else copy.deepcopy(model)
+            self._repatch_forward(twin)
             for p in twin.parameters():
                 p.data = p.data.to(dtype)
                 p.requires_grad_(False)
@@ -97,6 +98,21 @@ class GRPOTrainer(_TRLGRPOTrainer):
             FairCastVLLMGeneration.adopt(self.vllm_generation, served)  # TRL's sync now streams the served copy
         self._fair_cast = FairCastCallback(served)
         self.add_callback(self._fair_cast)
+
+    def _repatch_forward(self, twin) -> None:
+        """Give a deep copy of the policy its own forward.
+
+        TRL 1.16 patches the policy's ``forward`` (``add_fused_lm_head``) with a closure over the *original* bound
+        forward. ``copy.deepcopy`` rebinds the method but not the closure, so the copy's forward would run the
+        learner (its fp32 weights, and, under gradient checkpointing in train mode, without a KV cache: garbage
+        generations). Drop the copied patch and apply TRL's patch to the copy itself.
+        """
+        from trl.trainer.utils import add_fused_lm_head
+
+        if "forward" in vars(twin):
+            del twin.forward
+            add_fused_lm_head(twin, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+                              outputs=("log_probs", "entropy"))
 
     # Mirrors trl 1.16 GRPOTrainer._generate_single_turn: with Fair Cast and the in-process sampler, generate
     # with the served twin instead of the fp32 learner; with DUET, generate only the planned rollouts (with the
@@ -198,10 +214,14 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if self._sync is not None:
             self._sync.before_sync(step)
         log = SyncLog()
-        sampler.load(log.tap(self._fair_cast.served.served.items()))
+        sampler.load(log.tap(self._export_stream()))
         sampler.set_version(step)
         if self._sync is not None:
             self._sync.after_sync(step, log)
+
+    def _export_stream(self):
+        """What an in-process sync streams: the served copy, by learner name."""
+        return iter(self._fair_cast.served.served.items())
 
     @torch.no_grad()
     def _check_logprobs(self, output) -> None:

@@ -214,3 +214,27 @@ def test_lora_resume_is_exact(tmp_path, tiny_model_dir):
 def test_unsupported_peft_setups_are_refused_clearly(tmp_path, tiny_model_dir, extra, message):
     with pytest.raises(ValueError, match=message):
         _lora_trainer(tmp_path, tiny_model_dir, peft_config=_lora(**extra))
+
+
+def test_twin_generates_with_its_own_weights_under_gradient_checkpointing(tmp_path, demo_dir):
+    # Regression: TRL patches the policy's forward with a closure over the original model; a deep copy kept that
+    # closure, so the twin ran the *learner* (and, with gradient checkpointing in train mode, without a KV cache).
+    trainer = _trainer(tmp_path, demo_dir, gradient_checkpointing=True, max_steps=2)
+    twin = trainer._served_model
+    ids = trainer.processing_class(["12+34="], return_tensors="pt").input_ids
+    trainer.train()
+    trainer.model.train()
+    with torch.no_grad():
+        for p in trainer.model.parameters():  # the learner changes; the twin must not notice
+            p.add_(0.5)
+        out = twin.generate(ids, max_new_tokens=10, do_sample=False)
+        logits = twin(ids).logits
+    fresh = type(twin)(twin.config).eval()  # a model built from scratch, parameters in bf16 like the twin's
+    fresh.load_state_dict(twin.state_dict())
+    for p in fresh.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(logits, fresh(ids).logits)
+        assert torch.equal(out, fresh.generate(ids, max_new_tokens=10, do_sample=False))
+    assert trainer.processing_class.decode(out[0]).startswith("12+34=\\boxed{")
+    assert max(r.get("reward", 0) for r in trainer.state.log_history) > 0

@@ -143,6 +143,7 @@ class TransformersSampler(Sampler):
 
     def cold(self, named):
         twin = copy.deepcopy(self.model)
+        vars(twin).pop("forward", None)  # a patched forward's closure would still point at the original model
         params = dict(twin.named_parameters())
         for name, tensor in named.items():
             params[name].data = tensor.detach().clone().to(params[name].dtype)
