@@ -185,7 +185,12 @@ class GRPOTrainer(_TRLGRPOTrainer):
             intended = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
             recipe = {n: {**dense_recipe(intended or t.dtype), "cast": "rtn" if intended not in (None, t.dtype)
                           else "none"} for n, t in params.items()}
-            learner = LearnerSide(stream, lambda n: params[n].to(intended or params[n].dtype), recipe)
+
+            def refresh():  # the live parameters (a trainer may re-wrap or re-place them after set-up)
+                params.clear()
+                params.update(stream())
+
+            learner = LearnerSide(stream, lambda n: params[n].to(intended or params[n].dtype), recipe, refresh)
         if not self.use_vllm:
             sampler = self._sampler
         elif self.vllm_mode == "colocate":

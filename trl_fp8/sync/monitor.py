@@ -29,14 +29,17 @@ class LearnerSide:
 
     ``exported()`` yields the tensors a sync streams (learner names); ``reference(name)`` is the learner's
     quantizer applied to its weight, in the served dtype (what the sampler must compute with); ``recipe`` maps
-    each served name to its recipe (see :data:`checks.RECIPE_FIELDS`).
+    each served name to its recipe (see :data:`checks.RECIPE_FIELDS`). ``refresh()``, when given, runs before
+    each round of checks (e.g. to look the learner's parameters up again).
     """
 
     def __init__(self, exported: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-                 reference: Callable[[str], torch.Tensor], recipe: dict[str, dict]):
+                 reference: Callable[[str], torch.Tensor], recipe: dict[str, dict],
+                 refresh: Callable[[], None] | None = None):
         self.exported = exported
         self.reference = reference
         self.recipe = recipe
+        self.refresh = refresh or (lambda: None)
         self.shapes = {n: tuple(t.shape) for n, t in exported()}
 
 
@@ -152,6 +155,7 @@ class SyncMonitor:
             sent = {n: t for n, t in log.tensors.items() if n in manifest}
             self.report(C.freshness(step, s.version(), sent, s.read, s.alias_reads(step)))
         if self.enabled("quant_parity"):
+            self.learner.refresh()
             self.report(C.quant_parity([n for n in self.learner.shapes if n in manifest], self.learner.reference,
                                        s.read))
         if self.enabled("cache_hygiene"):

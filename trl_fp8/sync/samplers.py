@@ -181,15 +181,28 @@ class VLLMColocateSampler(Sampler):
                 return fused_name, i, sum(sizes[:i]), sizes[i]
         return None
 
+    def _packed(self, pname: str):
+        """The linear layer whose weight vLLM-CPU packed away (the parameter left empty), else None."""
+        p = self._params[pname]
+        if p.numel() or not pname.endswith(".weight"):
+            return None
+        module = self.model.get_submodule(pname.rpartition(".")[0])
+        return module if hasattr(module, "input_size_per_partition") and hasattr(module, "quant_method") else None
+
+    def _full_shape(self, pname: str) -> tuple:
+        module = self._packed(pname)
+        if module is None:
+            return tuple(self._params[pname].shape)
+        return (module.output_size_per_partition, module.input_size_per_partition)
+
     def manifest(self):
         out = {}
         for name, where in self._where.items():
             if where is None:
                 continue
             pname, shard, offset, rows = where
-            p = self._params[pname]
-            shape = tuple(p.shape) if shard is None else (rows, *p.shape[1:])
-            out[name] = (shape, p.dtype)
+            full = self._full_shape(pname)
+            out[name] = (full if shard is None else (rows, *full[1:]), self._params[pname].dtype)
         return out
 
     def targets(self, names):
@@ -213,7 +226,13 @@ class VLLMColocateSampler(Sampler):
         if where is None:
             raise KeyError(f"the vLLM engine serves nothing under '{name}'")
         pname, shard, offset, rows = where
-        p = self._params[pname].data
+        module = self._packed(pname)
+        if module is not None:  # read the packed weight back through the layer's own matmul (one-hot inputs)
+            k, dtype = module.input_size_per_partition, self._params[pname].dtype
+            p = effective_columns(lambda x: module.quant_method.apply(module, x), k, torch.arange(k), dtype,
+                                  self._params[pname].device)
+        else:
+            p = self._params[pname].data
         return p if shard is None else p[offset: offset + rows]
 
     @torch.no_grad()
