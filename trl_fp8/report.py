@@ -17,6 +17,8 @@ DEFAULT_PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("fair_cast_lag", "Fair Cast: served copy lag behind the master (steps)", ("fair_cast/lag_steps",)),
     ("fair_cast_visible", "Fair Cast: fraction of served weights changed per export",
      ("fair_cast/visible_update_frac",)),
+    ("sync_logprob_gap", "Weight sync: |logπ_learner − logμ_sampler| on generated tokens",
+     ("sync/logp_gap_mean", "sync/logp_gap_max")),
     ("duet_tokens", "DUET: rollout tokens per step", ("duet/tokens",)),
     ("duet_allocation", "DUET: rollouts per prompt, saved-token and abort fractions",
      ("duet/rollouts_per_prompt/mean", "duet/rollouts_per_prompt/min", "duet/rollouts_per_prompt/max",

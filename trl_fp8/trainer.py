@@ -18,7 +18,8 @@ from .config import GRPOConfig
 from .report import MetricsJsonlCallback
 
 FAIR_CAST_STATE = "fair_cast_state.pt"
-LOGPROB_CHECK_ROWS = 4  # rollouts re-scored by the in-process twin for the logprob check (vLLM: all, for free)
+LOGPROB_CHECK_ROWS = 4  # rollouts re-scored for the logprob check where the sampler's logprobs were not recorded
+SAMPLER_LOGPS_KEY = "trl_fp8_sampler_logps"  # the in-process twin's per-token logprobs, carried with the batch
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -126,13 +127,27 @@ class GRPOTrainer(_TRLGRPOTrainer):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         self._sync_in_process_sampler()
-        learner = self.model_wrapped
-        self.model_wrapped = self._served_model
+        learner, twin = self.model_wrapped, self._served_model
+        self.model_wrapped = twin
+        tap = None
+        if self._sync is not None and self._sync.enabled("logprob_agreement") and not self.tools:
+            import functools
+
+            from transformers import LogitsProcessorList
+
+            from .sync.logprobs import SampledLogprobTap
+
+            tap = SampledLogprobTap(self.temperature)  # the twin's logprob of each sampled token, as vLLM returns them
+            twin.generate = functools.partial(type(twin).generate, twin, logits_processor=LogitsProcessorList([tap]))
         try:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                     num_generations, has_tool_images)
         finally:
             self.model_wrapped = learner
+            vars(twin).pop("generate", None)
+        if tap is not None:
+            self._sampler_logps = tap.per_row(completion_ids)
+        return completion_ids, logprobs
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training:
@@ -229,26 +244,23 @@ class GRPOTrainer(_TRLGRPOTrainer):
         return iter(self._fair_cast.served.served.items())
 
     @torch.no_grad()
-    def _check_logprobs(self, output) -> None:
-        """``logprob_agreement`` on the tokens just generated: the sampler's logprobs (vLLM returns them) or, for
-        the in-process twin, a forward of the twin on a few rollouts, against the learner's."""
+    def _check_logprobs_by_forward(self, output) -> None:
+        """``logprob_agreement`` where the sampler's logprobs were not recorded (DUET's sampler, tools): a forward
+        of the twin and of the learner on a few of the rollouts just generated."""
         mask = output["completion_mask"]
-        if "sampling_per_token_logps" in output and "old_per_token_logps" in output:
-            learner, sampler = output["old_per_token_logps"], output["sampling_per_token_logps"]
-        elif self._served_model is not None:
-            rows = torch.nonzero(mask.sum(1) > 0).flatten()[:LOGPROB_CHECK_ROWS]
-            if rows.numel() == 0:
-                return
-            ids = torch.cat([output["prompt_ids"][rows], output["completion_ids"][rows]], dim=1)
-            attention = torch.cat([output["prompt_mask"][rows], mask[rows]], dim=1)
-            keep = output["completion_ids"].size(1)
-            with self.compute_loss_context_manager():
-                learner, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention, keep)
-            sampler, _, _ = self._get_per_token_logps_and_entropies(self._served_model, ids, attention, keep)
-            mask = mask[rows]
-        else:
+        if self._served_model is None:
             return
-        self._sync.after_generation(self.state.global_step, learner, sampler, mask)
+        rows = torch.nonzero(mask.sum(1) > 0).flatten()[:LOGPROB_CHECK_ROWS]
+        if rows.numel() == 0:
+            return
+        ids = torch.cat([output["prompt_ids"][rows], output["completion_ids"][rows]], dim=1)
+        attention = torch.cat([output["prompt_mask"][rows], mask[rows]], dim=1)
+        keep = output["completion_ids"].size(1)
+        with self.compute_loss_context_manager():
+            learner, _, _ = _TRLGRPOTrainer._get_per_token_logps_and_entropies(self, self.model, ids, attention, keep)
+        sampler, _, _ = _TRLGRPOTrainer._get_per_token_logps_and_entropies(self, self._served_model, ids, attention,
+                                                                           keep)
+        self._sync.after_generation(self.state.global_step, learner, sampler, mask[rows])
 
     # -- DUET --------------------------------------------------------------------------------------------------
     def _setup_duet(self) -> None:
@@ -357,10 +369,45 @@ class GRPOTrainer(_TRLGRPOTrainer):
         return excluded
 
     def _generate_and_score_completions(self, inputs):
+        self._sampler_logps = None
         output = self._duet_adjust(super()._generate_and_score_completions(inputs))
+        sampler_logps, self._sampler_logps = self._sampler_logps, None
         if self._sync is not None and self.model.training and self._sync.logprob_due():
-            self._check_logprobs(output)
+            if "sampling_per_token_logps" in output and "old_per_token_logps" in output:  # vLLM: both at hand
+                self._sync.after_generation(self.state.global_step, output["old_per_token_logps"],
+                                            output["sampling_per_token_logps"], output["completion_mask"])
+            elif sampler_logps is not None and len(sampler_logps) == output["completion_ids"].size(0):
+                # The twin's logprobs travel with the batch; the learner's come from the loss forward (free).
+                from trl.trainer.utils import pad
+
+                width = output["completion_ids"].size(1)
+                padded = pad([torch.tensor(r, dtype=torch.float32) for r in sampler_logps], padding_value=0.0)
+                padded = torch.nn.functional.pad(padded, (0, max(0, width - padded.size(1))))[:, :width]
+                output[SAMPLER_LOGPS_KEY] = padded.to(output["completion_ids"].device)
+                self._logprob_pending = True
+            else:
+                self._check_logprobs_by_forward(output)
         return output
+
+    # Mirrors trl 1.16 GRPOTrainer._compute_loss: with a logprob check pending, the first loss forward after a
+    # generation (before any optimizer step) also gives the learner's side of the comparison.
+    def _compute_loss(self, model, inputs):
+        if getattr(self, "_logprob_pending", False) and SAMPLER_LOGPS_KEY in inputs:
+            self._loss_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
+                                                         **kwargs)
+        inputs = getattr(self, "_loss_inputs", None)
+        if inputs is not None:  # the policy's forward inside _compute_loss
+            self._loss_inputs, self._logprob_pending = None, False
+            self._sync.after_generation(self.state.global_step, out[0].detach(), inputs[SAMPLER_LOGPS_KEY],
+                                        inputs["completion_mask"])
+        return out
 
     def _duet_adjust(self, output):
         batch, self._duet_batch = self._duet_batch, None

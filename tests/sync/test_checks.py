@@ -87,6 +87,13 @@ def test_quant_parity_compares_with_the_learner_quantizer_not_the_sent_bytes():
     assert not r.passed and "'w' differs from the learner's quantizer output: 1 of 256 elements" in r.message
 
 
+def test_quant_parity_skips_only_references_that_are_the_verified_sent_tensors():
+    ref = {"w": torch.randn(8).to(torch.bfloat16)}
+    wrong = {"w": ref["w"] + 1}
+    assert C.quant_parity(["w"], ref.__getitem__, wrong.__getitem__, sent={"w": ref["w"]}).passed  # same object
+    assert not C.quant_parity(["w"], ref.__getitem__, wrong.__getitem__, sent={"w": ref["w"].clone()}).passed
+
+
 def test_logprob_band_calibrates_then_enforces():
     band = C.LogprobBand(factor=3.0, floor=0.01, calibration=2)
     mask = torch.ones(2, 5)

@@ -127,6 +127,14 @@ def summarize(metrics_path: str | os.PathLike, key: str = "rewards/correctness_r
         first = sum(values[:n]) / n
         last = sum(values[-n:]) / n
         summary[name] = {"first_mean": first, "last_mean": last, "gain": last - first, "window": n}
+    checks = {}
+    for record in records:
+        for name, value in record.items():
+            if name.startswith("sync/") and not name.startswith("sync/logp_gap"):
+                runs, failed = checks.get(name[5:], (0, 0))
+                checks[name[5:]] = (runs + 1, failed + (value < 1))
+    if checks:
+        summary["sync_checks"] = {name: {"runs": r, "failed": f} for name, (r, f) in sorted(checks.items())}
     return summary
 
 
@@ -188,6 +196,11 @@ def format_summary(summary: dict) -> str:
                 f"  {label:<13} first {s['window']} steps {s['first_mean']:.3f} -> last {s['window']} steps "
                 f"{s['last_mean']:.3f} ({s['gain']:+.3f})"
             )
+    if "sync_checks" in summary:
+        checks = summary["sync_checks"]
+        failed = sum(c["failed"] for c in checks.values())
+        runs = sum(c["runs"] for c in checks.values())
+        lines.append(f"  weight-sync checks: {runs} run, {failed} failed ({', '.join(checks)})")
     lines.append(f"  metrics: {summary['metrics']}")
     for p in summary["plots"]:
         lines.append(f"  plot:    {p}")

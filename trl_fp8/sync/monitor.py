@@ -151,13 +151,16 @@ class SyncMonitor:
             self.report(C.coverage(
                 log.counts, self.learner.shapes, s.targets(self.learner.shapes),
                 {n: tuple(t.shape) for n, t in log.tensors.items()}, {n: v[0] for n, v in manifest.items()}))
+        verified = None
         if self.enabled("freshness"):
             sent = {n: t for n, t in log.tensors.items() if n in manifest}
-            self.report(C.freshness(step, s.version(), sent, s.read, s.alias_reads(step)))
+            result = C.freshness(step, s.version(), sent, s.read, s.alias_reads(step))
+            self.report(result)
+            verified = sent if result.passed else None
         if self.enabled("quant_parity"):
             self.learner.refresh()
             self.report(C.quant_parity([n for n in self.learner.shapes if n in manifest], self.learner.reference,
-                                       s.read))
+                                       s.read, verified))
         if self.enabled("cache_hygiene"):
             self.report(C.cache_hygiene(step, log.reset_ok, s.cached_blocks()))
         if self.enabled("differential_oracle") and not first and (self.syncs - 1) % (ORACLE_EVERY * self.interval) == 0:

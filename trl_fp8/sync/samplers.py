@@ -98,6 +98,8 @@ class TransformersSampler(Sampler):
     kind = "transformers"
     supports = frozenset(CHECKS) - {"cache_hygiene"}  # generate() keeps no KV cache across calls
 
+    probe_aliases = False  # see alias_reads
+
     def __init__(self, model: torch.nn.Module, shares_learner: bool = False):
         self.model = model
         self.shares_learner = shares_learner
@@ -132,6 +134,10 @@ class TransformersSampler(Sampler):
         return alias, target, out
 
     def alias_reads(self, step):
+        # A transformers output layer computes with its `weight` parameter itself: when it *is* the embedding's
+        # parameter (tied), no stale copy can exist, and there is nothing to probe.
+        if not self.probe_aliases:
+            return {}
         tied = self._tied()
         if tied is None:
             return {}

@@ -1,0 +1,45 @@
+"""The in-process sampler's logprob of each token it samples, recorded during ``generate`` (as vLLM returns
+them), so the logprob-agreement check costs no extra forward."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SampledLogprobTap:
+    """A logits processor that records ``log softmax(logits / temperature)`` at each decoding step and, at the
+    next step, reads the token that was sampled (the last column of ``input_ids``). Holds one step at a time.
+
+    transformers 5 runs user processors *before* its warpers (temperature, top-k, top-p), so the tap divides by
+    the temperature itself: the same quantity TRL computes for the learner (temperature only).
+    """
+
+    def __init__(self, temperature: float = 1.0):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        self.temperature = float(temperature)
+        self._previous: torch.Tensor | None = None
+        self._steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._collect(input_ids[:, -1])
+        self._previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _collect(self, tokens: torch.Tensor) -> None:
+        if self._previous is not None:
+            self._steps.append(self._previous.gather(1, tokens.unsqueeze(1)).squeeze(1).cpu())
+            self._previous = None
+
+    def per_row(self, completions: list[list[int]]) -> list[list[float]]:
+        """Logprobs of each row's sampled tokens, given the completions (each cut after its EOS, as TRL does)."""
+        if self._previous is not None:  # the final step's token: no processor call followed it
+            k = len(self._steps)
+            self._collect(torch.tensor([c[k] if len(c) > k else 0 for c in completions],
+                                       device=self._previous.device))
+        if not self._steps:
+            return [[] for _ in completions]
+        table = torch.stack(self._steps, dim=1)
+        if any(len(c) > table.size(1) for c in completions):
+            raise ValueError("the recorded logprobs are shorter than a completion: generate() did not run the tap")
+        return [table[i, : len(c)].tolist() for i, c in enumerate(completions)]
