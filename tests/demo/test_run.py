@@ -33,5 +33,9 @@ def test_default_demo_reward_rises(tmp_path):
     assert summary["steps"] == DemoSettings().max_steps
     assert acc["last_mean"] - acc["first_mean"] > 0.15, acc
     assert summary["reward"]["gain"] > 0.15
-    assert len(summary["plots"]) == 4  # reward, length, Fair Cast lag and visible-update curves
+    assert len(summary["plots"]) == 5  # reward, length, Fair Cast lag and visible-update, sync logprob gap
+    checks = summary["sync_checks"]  # the default weight-sync checks ran at every step and never failed
+    assert checks["freshness"] == {"runs": summary["steps"], "failed": 0}
+    assert checks["logprob_agreement"]["runs"] == summary["steps"] and checks["logprob_agreement"]["failed"] == 0
+    assert "weight-sync checks:" in format_summary(summary)
     assert "accuracy" in format_summary(summary)
