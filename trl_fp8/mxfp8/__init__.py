@@ -1,0 +1,1 @@
+"""MXFP8 through torchao: conversion of linear layers and the shared reference quantizer."""
