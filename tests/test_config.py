@@ -36,6 +36,7 @@ def test_defaults_leave_trl_fields_untouched(tmp_path):
         "duet": False, "duet_budget": 0.5, "duet_n_min": 1, "duet_n_max": None, "duet_markers": ["math"],
         "duet_abort_keep_prob": 0.05, "duet_min_propensity": 0.05, "duet_max_weight": 1000.0,
         "sync_checks": "default", "sync_check_interval": 1, "sync_check_action": "raise",
+        "mxfp8": False, "mxfp8_kernel": "auto", "mxfp8_exclude": [r"(^|\.)lm_head$", "embed", r"(^|\.)(router|gate)$"],
     }
 
 

@@ -68,9 +68,11 @@ _LINEAR_CLASS = None
 
 
 def mxfp8_linear_class():
-    """torchao's ``MXFP8Linear`` with one addition: under autocast (``bf16=True``) the weight and the input are
+    """torchao's ``MXFP8Linear`` with two additions. Under autocast (``bf16=True``) the weight and the input are
     cast to the autocast dtype first, as autocast does for a plain linear (torchao's emulated matmul otherwise
-    fails on a bf16 input against an fp32 master weight). The GEMM itself is torchao's."""
+    fails on a bf16 input against an fp32 master weight). And the token count is padded to a multiple of 32 with
+    zero rows: torchao's backward quantizes the weight gradient in 32-token blocks and asserts on any other count
+    (a GRPO micro-batch has rows × sequence length tokens). The GEMM itself is torchao's."""
     global _LINEAR_CLASS
     if _LINEAR_CLASS is None:
         ao = _torchao()
@@ -84,11 +86,19 @@ def mxfp8_linear_class():
                     input, weight = input.to(dtype), weight.to(dtype)
                 elif weight.dtype != input.dtype:
                     weight = weight.to(input.dtype)
+                # The weight gradient quantizes along the token dimension in blocks of 32: pad the tokens with
+                # zero rows (a zero row changes no block's scale and no real row's value), drop them after.
+                shape = input.shape
+                rows = input.reshape(-1, shape[-1])
+                tokens = rows.size(0)
+                if tokens % BLOCK_SIZE:
+                    rows = torch.nn.functional.pad(rows, (0, 0, 0, BLOCK_SIZE - tokens % BLOCK_SIZE))
                 with torch.autocast(kind, enabled=False):
                     output = _to_mxfp8_then_scaled_mm(
-                        input, weight, kernel_preference=self.kernel_preference,
+                        rows, weight, kernel_preference=self.kernel_preference,
                         scale_calculation_mode=self.scale_calculation_mode, wgrad_with_hp=self.wgrad_with_hp,
                     )
+                output = output[:tokens].reshape(*shape[:-1], output.size(-1))
                 if self.bias is not None:
                     output = output + self.bias.to(output.dtype)
                 return output
