@@ -97,3 +97,18 @@ def test_demo_command_with_duet_adds_its_curves(tmp_path, capsys):
     capsys.readouterr()
     assert main(["demo", "--output-dir", str(out), "--max-steps", "3", "--no-progress", "--duet", "2"]) == 2
     assert "duet_budget must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_demo_command_with_mxfp8_and_all_sync_checks(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--output-dir", str(out), "--max-steps", "3", "--no-progress", "--mxfp8",
+                 "--sync-checks", "all"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["sync_checks"]) >= {"recipe_parity", "quant_parity", "differential_oracle", "freshness"}
+    assert all(c["failed"] == 0 for c in summary["sync_checks"].values())
+    assert "weight-sync checks:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["demo", "--output-dir", str(out), "--sync-checks", "freshnes"])
+    assert "unknown check(s) 'freshnes'" in capsys.readouterr().err

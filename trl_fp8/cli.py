@@ -93,10 +93,21 @@ def cmd_demo(argv: list[str]) -> int:
                    help="Fair Cast export rule of the served bf16 copy (default: %(default)s)")
     p.add_argument("--duet", type=float, default=None, metavar="BUDGET",
                    help="turn DUET on with this token budget β in (0, 1] (default: off)")
+    p.add_argument("--mxfp8", action="store_true",
+                   help="MXFP8 linear layers through torchao (emulated on CPU: about 3.5x slower)")
+    p.add_argument("--sync-checks", default=defaults.sync_checks,
+                   help="weight-sync checks: default, all, off, or comma-separated names (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    from .sync.checks import resolve_checks
+
+    try:
+        resolve_checks(args.sync_checks)
+    except ValueError as err:
+        p.error(str(err))
     settings = DemoSettings(output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed,
-                            fair_cast=args.fair_cast, duet_budget=args.duet, progress=not args.no_progress)
+                            fair_cast=args.fair_cast, duet_budget=args.duet, mxfp8=args.mxfp8,
+                            sync_checks=args.sync_checks, progress=not args.no_progress)
     summary = run_demo(settings)
     print(format_summary(summary))
     return 0

@@ -35,6 +35,8 @@ class DemoSettings:
     num_problems: int = 4000
     fair_cast: str = "stochastic"
     duet_budget: float | None = None  # None: DUET off; else its budget β
+    mxfp8: bool = False  # MXFP8 linear layers (emulated on CPU: about 3.5x slower)
+    sync_checks: str = "default"
     progress: bool = True
 
     def validate(self) -> None:
@@ -108,6 +110,8 @@ def build_demo_config(settings: DemoSettings, **overrides):
         fair_cast=settings.fair_cast,
         duet=settings.duet_budget is not None,
         duet_budget=settings.duet_budget if settings.duet_budget is not None else 0.5,
+        mxfp8=settings.mxfp8,
+        sync_checks=settings.sync_checks,
         metrics_jsonl=str(out / "metrics.jsonl"),
         dataloader_num_workers=0,
     )
