@@ -141,8 +141,6 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._duet is not None and self.model.training:
             return self._duet_generate(prompt_ids, images, multimodal_fields, num_generations)
-        if self.use_vllm and hasattr(self.vllm_generation, "sync_step"):
-            self.vllm_generation.sync_step = self.state.global_step  # the version the checks expect
         if self._served_model is None or self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
@@ -255,7 +253,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if self.use_vllm:
             from .sync.vllm import CheckedVLLMGeneration
 
-            CheckedVLLMGeneration.adopt(self.vllm_generation, served, self._sync)
+            CheckedVLLMGeneration.adopt(self.vllm_generation, served, self._sync,
+                                        learner_step=lambda: self.state.global_step)
 
     def _sync_in_process_sampler(self) -> None:
         """Bring the in-process twin to the current export (once per learner step), checking the sync."""

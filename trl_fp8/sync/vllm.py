@@ -57,22 +57,24 @@ class CheckedVLLMGeneration(FairCastVLLMGeneration):
     the weight-sync checks: the differential oracle before the first sync, the per-sync checks after it."""
 
     sync_monitor: SyncMonitor | None = None
-    sync_step: int = 0  # the learner step being synced (set by the trainer before each generation)
+    learner_step = staticmethod(lambda: 0)  # the learner step being synced (the trainer passes its own)
 
     @classmethod
-    def adopt(cls, generation, served=None, monitor: SyncMonitor | None = None) -> CheckedVLLMGeneration:
+    def adopt(cls, generation, served=None, monitor: SyncMonitor | None = None,
+              learner_step=None) -> CheckedVLLMGeneration:
         generation.__class__ = cls
         generation.served = served
         generation._engine_checked = served is None
         generation.sync_monitor = monitor
-        generation.sync_step = 0
+        if learner_step is not None:
+            generation.learner_step = learner_step
         return generation
 
     def sync_weights(self):
         monitor = self.sync_monitor
         if monitor is None:
             return super().sync_weights()
-        step = self.sync_step
+        step = int(self.learner_step())
         monitor.before_sync(step)
         log = SyncLog()
         stream = self._iter_named_params
