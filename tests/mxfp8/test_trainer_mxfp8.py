@@ -14,13 +14,6 @@ from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_ari
 LAYER = "model.layers.1.mlp.down_proj"
 
 
-@pytest.fixture(scope="module")
-def demo_dir():
-    from trl_fp8.demo.model import demo_model_path
-
-    return demo_model_path()
-
-
 def _trainer(tmp_path, model_dir, peft_config=None, **overrides):
     kwargs = dict(
         output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=3, learning_rate=1e-4,
@@ -56,25 +49,18 @@ def test_learner_and_twin_quantize_identically_and_checks_stay_clean(tmp_path, d
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
 
 
-def test_recipe_parity_catches_floor_scales_on_the_sampler(tmp_path, demo_dir):
+@pytest.mark.parametrize("check, message", [
+    ("recipe_parity", rf"'{LAYER}.weight': scale_rounding learner='rceil' sampler='floor'"),
+    ("quant_parity", rf"\[quant_parity\] '{LAYER}.weight' differs from the learner's quantizer output: \d+ of 16384 "
+                     r"elements differ"),
+])
+def test_floor_scales_on_the_sampler_are_caught(tmp_path, demo_dir, check, message):
     from trl_fp8.mxfp8.convert import MXRecipe, torchao_config
 
-    trainer = _trainer(tmp_path, demo_dir, sync_checks=["recipe_parity"])
+    trainer = _trainer(tmp_path, demo_dir, sync_checks=[check])
     layer = trainer._served_model.get_submodule(LAYER)
     layer.scale_calculation_mode = torchao_config(MXRecipe(rounding="floor")).scale_calculation_mode
-    with pytest.raises(trl_fp8.WeightSyncError, match=rf"'{LAYER}.weight': scale_rounding learner='rceil' "
-                                                      r"sampler='floor'"):
-        trainer.train()
-
-
-def test_quant_parity_catches_floor_scales_on_the_sampler(tmp_path, demo_dir):
-    from trl_fp8.mxfp8.convert import MXRecipe, torchao_config
-
-    trainer = _trainer(tmp_path, demo_dir, sync_checks=["quant_parity"])
-    layer = trainer._served_model.get_submodule(LAYER)
-    layer.scale_calculation_mode = torchao_config(MXRecipe(rounding="floor")).scale_calculation_mode
-    with pytest.raises(trl_fp8.WeightSyncError, match=rf"\[quant_parity\] '{LAYER}.weight' differs from the "
-                                                      r"learner's quantizer output: \d+ of 16384 elements differ"):
+    with pytest.raises(trl_fp8.WeightSyncError, match=message):
         trainer.train()
 
 

@@ -12,13 +12,6 @@ from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_ari
 TARGET = "model.layers.1.mlp.down_proj.weight"
 
 
-@pytest.fixture(scope="module")
-def demo_dir():
-    from trl_fp8.demo.model import demo_model_path
-
-    return demo_model_path()
-
-
 def _trainer(tmp_path, model_dir, **overrides):
     kwargs = dict(
         output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=3, learning_rate=1e-4,

@@ -15,13 +15,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-@pytest.fixture(scope="module")
-def demo_dir():
-    from trl_fp8.demo.model import demo_model_path
-
-    return demo_model_path()
-
-
 def _trainer(tmp_path, model_dir, **overrides):
     import trl_fp8
     from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
