@@ -46,6 +46,19 @@ def test_transformers_sampler_reads_loads_versions_and_builds_cold_copies(tied_m
     assert sampler.recipe()[name] == dense_recipe(torch.bfloat16)
 
 
+def test_transformers_sampler_scores_given_sequences(tied_model):
+    sampler = TransformersSampler(tied_model)
+    prompts, completions = [[1, 2, 3], [4, 5]], [[6, 7], []]
+    scored = sampler.sequence_logprobs(prompts, completions, temperature=0.5)
+    with torch.no_grad():
+        logits = tied_model(input_ids=torch.tensor([[1, 2, 3, 6, 7]])).logits[0, 2:4].float() / 0.5
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor([[6], [7]])).squeeze(1)
+    torch.testing.assert_close(torch.tensor(scored[0]), expected, rtol=0, atol=1e-6)
+    assert scored[1] == []
+    with pytest.raises(NotImplementedError, match="vllm-server sampler cannot score"):
+        VLLMServerSampler(_Client(), {}).sequence_logprobs([[1]], [[2]])
+
+
 def test_the_tied_output_layer_can_be_probed(tied_model):
     sampler = TransformersSampler(tied_model)
     assert sampler.alias_reads(0) == {}  # the same Parameter: nothing can be stale in-process

@@ -79,6 +79,18 @@ def test_cache_hygiene_catches_a_sync_that_keeps_the_prefix_cache(demo_dir):
                                                       r"the old weights survived the sync to step 1"):
         sync(1, reset=False)  # vLLM's own reload path does not reset it
     assert monitor.pending["sync/freshness"] == [1.0, 1.0]  # the weights themselves were fine
+
+    # the interface's logprobs of given sequences: the engine agrees with transformers on the same bf16 weights
+    from trl_fp8.sync.samplers import TransformersSampler
+
+    reference = AutoModelForCausalLM.from_pretrained(demo_dir).eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.copy_(learner[name].float())
+    prompts, completions = [[20, 21, 14, 22, 23, 32]], [[63, 69, 82]]
+    ours = torch.tensor(sampler.sequence_logprobs(prompts, completions)[0])
+    theirs = torch.tensor(TransformersSampler(reference).sequence_logprobs(prompts, completions)[0])
+    assert ours.shape == (3,) and (ours - theirs).abs().max() < 0.05  # bf16 engine vs fp32 forward
     del llm
 
 

@@ -78,6 +78,11 @@ class Sampler:
     def set_version(self, step: int) -> None:
         pass
 
+    def sequence_logprobs(self, prompts: list[list[int]], completions: list[list[int]],
+                          temperature: float = 1.0) -> list[list[float]]:
+        """log μ(token) of each completion token given its prompt, as the sampler computes it."""
+        raise NotImplementedError(f"a {self.kind} sampler cannot score given token sequences")
+
     def reset_cache(self) -> bool | None:
         return None
 
@@ -149,6 +154,20 @@ class TransformersSampler(Sampler):
             if name not in self._params:
                 raise KeyError(f"the in-process sampler has no parameter '{name}'")
             self._params[name].data.copy_(tensor)
+
+    @torch.no_grad()
+    def sequence_logprobs(self, prompts, completions, temperature=1.0):
+        out = []
+        device = next(self.model.parameters()).device
+        for prompt, completion in zip(prompts, completions, strict=True):
+            if not completion:
+                out.append([])
+                continue
+            ids = torch.tensor([list(prompt) + list(completion)], device=device)
+            logits = self.model(input_ids=ids).logits[0, len(prompt) - 1: -1].float() / temperature
+            logps = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None]).squeeze(1)
+            out.append(logps.tolist())
+        return out
 
     def version(self):
         return getattr(self.model, VERSION_ATTR, None)
@@ -277,6 +296,21 @@ class VLLMColocateSampler(Sampler):
     def load(self, named):
         for name, tensor in named:  # TRL 1.16's colocate path, one tensor at a time
             self.model.load_weights([(name, tensor)])
+
+    def sequence_logprobs(self, prompts, completions, temperature=1.0):
+        """Through the engine's prompt logprobs (one forward per sequence; no sampling)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in zip(prompts, completions, strict=True)]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        result = []
+        for prompt, completion, output in zip(prompts, completions, outputs, strict=True):
+            ids = list(prompt) + list(completion)
+            per_position = output.prompt_logprobs or []
+            result.append([per_position[i][ids[i]].logprob for i in range(len(prompt), len(ids))])
+        return result
 
     def version(self):
         return self.llm.llm_engine.get_weight_version()
