@@ -100,7 +100,8 @@ class SyncMonitor:
 
     # -- around a sync ------------------------------------------------------------------------------------------
     def _state(self, sampler: Sampler, step: int) -> dict[str, torch.Tensor]:
-        state = {n: sampler.read(n).detach().clone() for n in self.learner.shapes if n in sampler.manifest()}
+        served = sampler.manifest()
+        state = {n: sampler.read(n).detach().clone() for n in self.learner.shapes if n in served}
         for alias, (effective, _) in sampler.alias_reads(step).items():
             state[f"{alias} (effective)"] = effective.detach().clone()
         return state
@@ -113,7 +114,8 @@ class SyncMonitor:
     @torch.no_grad()
     def startup_oracle(self, step: int) -> C.CheckResult:
         s = self.sampler
-        a = {n: s.read(n).detach().clone() for n in self.learner.shapes if n in s.manifest()}
+        served = s.manifest()
+        a = {n: s.read(n).detach().clone() for n in self.learner.shapes if n in served}
         b = {n: (torch.nextafter(t, torch.full_like(t, float("inf"))) if t.is_floating_point() else t)
              for n, t in a.items()}
         state_a = self._state(s, step)
