@@ -28,7 +28,8 @@ class SampledLogprobTap:
 
     def _collect(self, tokens: torch.Tensor) -> None:
         if self._previous is not None:
-            self._steps.append(self._previous.gather(1, tokens.unsqueeze(1)).squeeze(1).cpu())
+            # stays on the device: no host sync inside the decoding loop
+            self._steps.append(self._previous.gather(1, tokens.unsqueeze(1).to(self._previous.device)).squeeze(1))
             self._previous = None
 
     def per_row(self, completions: list[list[int]]) -> list[list[float]]:
@@ -39,7 +40,7 @@ class SampledLogprobTap:
                                        device=self._previous.device))
         if not self._steps:
             return [[] for _ in completions]
-        table = torch.stack(self._steps, dim=1)
+        table = torch.stack(self._steps, dim=1).cpu()
         if any(len(c) > table.size(1) for c in completions):
             raise ValueError("the recorded logprobs are shorter than a completion: generate() did not run the tap")
         return [table[i, : len(c)].tolist() for i, c in enumerate(completions)]
