@@ -30,6 +30,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "trl-fp8"]
+    _loss_inputs = None  # class defaults: TRL's __init__ may run overridden methods before ours sets them
+    _logprob_pending = False
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *pargs, **kwargs):
         with self._engine_context(args):
@@ -38,6 +40,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         self._served_model = None
         self._sampler = None  # the in-process sampler, when it is separate from the learner (Fair Cast's twin)
         self._sync = None
+        self._sampler_logps = None  # the twin's logprobs of the last generation (see SampledLogprobTap)
+        self._logprob_pending = False  # a logprob check waits for the next loss forward
+        self._loss_inputs = None
         self._mxfp8 = None
         if getattr(self.args, "mxfp8", False):
             self._setup_mxfp8()  # before Fair Cast: its twin copies the converted layers
@@ -424,7 +429,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
     # Mirrors trl 1.16 GRPOTrainer._compute_loss: with a logprob check pending, the first loss forward after a
     # generation (before any optimizer step) also gives the learner's side of the comparison.
     def _compute_loss(self, model, inputs):
-        if getattr(self, "_logprob_pending", False) and SAMPLER_LOGPS_KEY in inputs:
+        if self._logprob_pending and SAMPLER_LOGPS_KEY in inputs:
             self._loss_inputs = inputs
         try:
             return super()._compute_loss(model, inputs)
@@ -434,7 +439,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
                                                          **kwargs)
-        inputs = getattr(self, "_loss_inputs", None)
+        inputs = self._loss_inputs
         if inputs is not None:  # the policy's forward inside _compute_loss
             self._loss_inputs, self._logprob_pending = None, False
             self._sync.after_generation(self.state.global_step, out[0].detach(), inputs[SAMPLER_LOGPS_KEY],
