@@ -16,6 +16,7 @@ from trl import GRPOConfig as _TRLGRPOConfig
 from .fair_cast.rounding import SERVED_DTYPES as SERVED_TORCH_DTYPES
 from .fair_cast.served import EXPORT_MODES
 from .mxfp8.convert import DEFAULT_EXCLUDE as MXFP8_DEFAULT_EXCLUDE
+from .mxfp8.convert import KERNELS as MXFP8_KERNELS
 
 # Names of the fields trl_fp8 adds on top of trl.GRPOConfig (kept in sync by a test).
 TRL_FP8_FIELDS: tuple[str, ...] = (
@@ -26,7 +27,6 @@ TRL_FP8_FIELDS: tuple[str, ...] = (
     "mxfp8", "mxfp8_kernel", "mxfp8_exclude",
 )
 SYNC_CHECK_ACTIONS = ("raise", "warn")
-MXFP8_KERNELS = ("auto", "emulated", "sm100")
 FAIR_CAST_MODES = ("off",) + EXPORT_MODES
 SERVED_DTYPES = tuple(SERVED_TORCH_DTYPES)
 

@@ -213,7 +213,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
             return
         served = self._fair_cast.served if self._fair_cast is not None else None
         if served is not None:  # the learner's quantizer is the Fair Cast export; the sampler must not re-round
-            recipe = dict.fromkeys(served.served, {**dense_recipe(served.dtype), "cast": "none"})
+            recipe = {n: {**dense_recipe(served.dtype), "cast": "none"} for n in served.served}
             reference = served.served.__getitem__
             if self._mxfp8 is not None:  # MXFP8 layers: the learner quantizes the served weight, so must the sampler
                 from .mxfp8.convert import fake_quantize, linear_recipes
@@ -251,8 +251,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         else:
             from .sync.samplers import VLLMServerSampler
 
-            sampler = VLLMServerSampler(self.vllm_generation.vllm_client,
-                                        {n: (s, None) for n, s in learner.shapes.items()})
+            sampler = VLLMServerSampler(self.vllm_generation.vllm_client, learner.shapes)
         self._sync = SyncMonitor(checks, sampler, learner, self.args.sync_check_interval,
                                  self.args.sync_check_action)
         if self.use_vllm:

@@ -84,7 +84,7 @@ def test_server_sampler_checks_what_the_client_sees():
     side = LearnerSide(lambda: learner.items(), learner.__getitem__,
                        {n: {**dense_recipe(torch.bfloat16), "cast": "none"} for n in learner})
     client = _Client("float32")
-    sampler = VLLMServerSampler(client, {n: (tuple(t.shape), None) for n, t in learner.items()})
+    sampler = VLLMServerSampler(client, {n: tuple(t.shape) for n, t in learner.items()})
     monitor = SyncMonitor("all", sampler, side)
     assert set(monitor.checks) == {"recipe_parity", "coverage", "logprob_agreement", "cache_hygiene"}
     assert sampler.reset_cache() is None and client.resets == 1

@@ -160,6 +160,11 @@ def layer_recipe(module: nn.Module) -> MXRecipe | None:
     return MXRecipe(rounding=rounding, kernel=kernel)
 
 
+def _is_adapter(name: str) -> bool:
+    """PEFT adapter layers (``lora_A``, ``lora_B``, ...) stay in high precision and are not served layers."""
+    return re.search(r"(^|\.)lora_[A-Za-z]+(\.|$)", name) is not None
+
+
 def _excluded_by(name: str, patterns: Iterable[str]) -> str | None:
     for pattern in patterns:
         if re.search(pattern, name):
@@ -183,7 +188,7 @@ def convert_linears(model: nn.Module, recipe: MXRecipe, exclude: Iterable[str] =
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:  # plain linears only (LoRA wrappers keep their base_layer, converted)
             continue
-        if re.search(r"(^|\.)lora_[A-Za-z]+(\.|$)", name):  # PEFT adapters stay in high precision
+        if _is_adapter(name):
             continue
         if _excluded_by(name, patterns):
             report["excluded"].append(name)
@@ -213,9 +218,11 @@ def convert_linears(model: nn.Module, recipe: MXRecipe, exclude: Iterable[str] =
 
 def linear_recipes(model: nn.Module, prefix_strip: str = "") -> dict[str, dict]:
     """Per-parameter recipe entries of every linear layer: MXFP8 ones and plain ones (``excluded``)."""
+    from ..sync.samplers import dense_recipe
+
     out = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or re.search(r"(^|\.)lora_[A-Za-z]+(\.|$)", name):
+        if not isinstance(module, nn.Linear) or _is_adapter(name):
             continue
         name = name.removeprefix(prefix_strip)
         recipe = layer_recipe(module)
@@ -223,6 +230,5 @@ def linear_recipes(model: nn.Module, prefix_strip: str = "") -> dict[str, dict]:
         if recipe is not None:
             out[f"{name}.weight"] = recipe.as_recipe(dtype)
         else:
-            out[f"{name}.weight"] = {"dtype": str(dtype).removeprefix("torch."), "format": "dense", "block_size": None,
-                                     "scale_dtype": None, "scale_rounding": None, "excluded": True, "kernel": "dense"}
+            out[f"{name}.weight"] = {**dense_recipe(dtype), "excluded": True}
     return out

@@ -360,14 +360,14 @@ class VLLMServerSampler(Sampler):
     kind = "vllm-server"
     supports = frozenset({"recipe_parity", "coverage", "logprob_agreement", "cache_hygiene"})
 
-    def __init__(self, client, manifest: dict[str, tuple[tuple, torch.dtype]]):
+    def __init__(self, client, shapes: dict[str, tuple]):
         self.client = client
-        self._manifest = manifest  # the server loads by name; its dtype comes from get_server_info
+        self._shapes = shapes  # the server loads by name; its dtype comes from get_server_info
 
     def manifest(self):
         info = self.client.get_server_info()
         dtype = getattr(torch, str(info["model_config"]["dtype"]).removeprefix("torch."))
-        return {n: (shape, dtype) for n, (shape, _) in self._manifest.items()}
+        return {n: (tuple(shape), dtype) for n, shape in self._shapes.items()}
 
     def reset_cache(self):
         self.client.reset_prefix_cache()
