@@ -19,10 +19,6 @@ def _sr(x, dtype=torch.bfloat16, step=0, index=0, seed=0):
     return stochastic_round(x, dtype, seed=seed, step=step, index=index)
 
 
-def test_native_kernel_builds_here():
-    assert _native.load() is not None  # CI machines have a C compiler; the fallback is tested below
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sr_is_unbiased(dtype):
     # values strictly between two grid points, at several magnitudes and signs

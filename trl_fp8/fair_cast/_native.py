@@ -1,10 +1,27 @@
 """Fused CPU kernels for the fp32 -> bf16 exports (stochastic rounding, error feedback).
 
-A small C file is compiled on first use with the system C compiler (``cc``/``gcc``, OpenMP) into a cache
-folder and called through ``ctypes`` on the tensors' memory: one pass over the data, the hash RNG computed in
-registers. It has no Python or torch headers, so it builds in about a second. If no compiler is available
-(or ``TRL_FP8_NO_NATIVE=1``), :func:`load` returns None and callers use the PyTorch implementation, which
-gives bit-identical results (tested).
+A small C file is compiled on first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``,
+with OpenMP and ``-march=native``) into a cache folder and called through ``ctypes`` on the tensors' memory:
+one pass over the data, the hash RNG computed in registers. It has no Python or torch headers, so it builds
+in about a second. If no compiler is available (or ``TRL_FP8_NO_NATIVE=1``), :func:`load` returns None and
+callers use the PyTorch implementation, which gives bit-identical results (tested).
+
+The cache folder is ``$TRL_FP8_CACHE``, else ``$XDG_CACHE_HOME/trl_fp8``, else ``~/.cache/trl_fp8``.
+
+- **Cache key.** The library is named ``fair_cast_<sha256 prefix>.so``, hashed over everything that changes
+  the binary: the C source, the compiler flags, the compiler (its resolved path, size and mtime, and the
+  output of ``cc --version`` and ``cc -dumpmachine``), and the CPU it was built for (``platform.machine()``,
+  the OS, the pointer size, the CPU identity and feature-flag lines of ``/proc/cpuinfo`` on Linux, and the
+  macros the compiler predefines under ``-march=native``). A library built on another CPU or by another
+  compiler therefore has another name and is never loaded.
+- **Permissions.** The folder is created with mode 0700. A folder that is not owned by the current user or
+  is group- or other-writable is refused, and so is an existing library in it that is not a regular file
+  owned by the current user or is group- or other-writable: :func:`load` then returns None with one warning
+  naming the path and the reason. A new library is compiled to a temporary name in the same folder, made
+  0700 and moved into place with ``os.replace``, so no process ever loads half a library.
+- **Calls.** :func:`sr_bf16` and :func:`ef_bf16` check every tensor (type, dtype, shape, CPU device,
+  contiguity) and the scalar arguments before handing raw pointers to the library, and raise a
+  ``TypeError``/``ValueError`` naming the argument otherwise.
 """
 
 from __future__ import annotations
@@ -12,14 +29,19 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
 import warnings
 from pathlib import Path
+
+import torch
 
 C_SOURCE = r"""
 #include <stdint.h>
@@ -77,6 +99,16 @@ void trl_fp8_ef_bf16(const float *src, float *res, uint16_t *dst, int64_t n, int
 }
 """
 
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+
+# /proc/cpuinfo fields that identify the CPU and its instruction-set extensions (x86, Arm, RISC-V, POWER);
+# clock speeds, bogomips and the like are left out because they change from run to run.
+_CPUINFO_FIELDS = frozenset({
+    "vendor_id", "cpu family", "model", "model name", "flags",
+    "features", "cpu implementer", "cpu architecture", "cpu variant", "cpu part",
+    "isa", "uarch", "mmu", "cpu",
+})
+
 
 def _cache_dir() -> Path:
     root = os.environ.get("TRL_FP8_CACHE") or os.path.join(
@@ -92,38 +124,210 @@ def _compiler() -> str | None:
     return None
 
 
+def _current_uid() -> int:
+    return os.geteuid()
+
+
+def _run_text(cmd: list[str]) -> str:
+    """stdout + stderr + exit status of ``cmd``, or the error that stopped it (all go into the cache key)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"<{type(err).__name__}: {err}>"
+    return f"{proc.stdout}\n{proc.stderr}\nrc={proc.returncode}"
+
+
+def _compiler_identity(cc: str) -> str:
+    """The compiler as a string: resolved path, size and mtime of the driver, ``--version``, ``-dumpmachine``."""
+    real = os.path.realpath(cc)
+    try:
+        st = os.stat(real)
+        file_id = f"{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        file_id = "?"
+    return "\n".join([real, file_id, _run_text([cc, "--version"]), _run_text([cc, "-dumpmachine"])])
+
+
+def _cpu_features(cc: str) -> str:
+    """The CPU the library is built for: machine, OS, pointer size, /proc/cpuinfo identity and flags, and the
+    macros the compiler predefines for ``-march=native`` (the instruction-set extensions it will use)."""
+    parts = [platform.machine(), sys.platform, str(struct.calcsize("P") * 8)]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            lines = set()
+            for line in fh:
+                name, sep, value = line.partition(":")
+                if sep and name.strip().lower() in _CPUINFO_FIELDS:
+                    lines.add(f"{name.strip().lower()}: {' '.join(value.split())}")
+        parts.extend(sorted(lines))
+    except OSError:
+        parts.append(platform.processor())
+    march = [flag for flag in FLAGS if flag.startswith(("-march=", "-mcpu=", "-mtune="))]
+    parts.append(_run_text([cc, *march, "-E", "-dM", "-x", "c", os.devnull]))
+    return "\n".join(parts)
+
+
+def _cache_key(cc: str) -> dict[str, str]:
+    """Everything that changes the compiled library (see the module docstring)."""
+    return {
+        "source": C_SOURCE,
+        "flags": " ".join(FLAGS),
+        "compiler": _compiler_identity(cc),
+        "cpu": _cpu_features(cc),
+    }
+
+
+def _cache_tag(key: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _why_unsafe(path: Path, st: os.stat_result, *, directory: bool) -> str | None:
+    """Why ``path`` (with stat result ``st``) must not be trusted, or None when it is safe to use."""
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    uid = _current_uid()
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by the current user (uid {uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is group- or other-writable (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _prepare_dir(folder: Path) -> str | None:
+    """Create ``folder`` with mode 0700 if it is missing; the reason it cannot be used, or None."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        else:
+            os.chmod(folder, 0o700)  # the umask may have taken bits away; never added any
+        return _why_unsafe(folder, os.stat(folder), directory=True)
+    except OSError as err:
+        return f"cannot be created or read ({err})"
+
+
+def _build(cc: str, lib_path: Path) -> None:
+    """Compile into a temporary name in ``lib_path``'s folder, then ``os.replace`` it into place."""
+    folder = lib_path.parent
+    fd, src = tempfile.mkstemp(prefix=f".{lib_path.stem}.", suffix=".c", dir=folder)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(C_SOURCE)
+    fd, tmp_lib = tempfile.mkstemp(prefix=f".{lib_path.stem}.", suffix=".so.tmp", dir=folder)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, src, "-o", tmp_lib], check=True, capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+        os.chmod(tmp_lib, 0o700)  # the linker creates it with the umask's mode (possibly group-writable)
+        os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a library
+    finally:
+        for leftover in (src, tmp_lib):
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
+
+
+def _open(lib_path: Path):
+    lib = ctypes.CDLL(str(lib_path))
+    lib.trl_fp8_sr_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int]
+    lib.trl_fp8_sr_bf16.restype = None
+    lib.trl_fp8_ef_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.trl_fp8_ef_bf16.restype = None
+    return lib
+
+
+def _refuse(what: str, path: Path, reason: str) -> None:
+    warnings.warn(f"trl_fp8: not using the fused Fair Cast CPU kernels: the cache {what} {path} {reason}; "
+                  "using the PyTorch implementation (same results, slower). Make it owned by you and not "
+                  "group/other-writable (chmod 700), or point TRL_FP8_CACHE at another folder.", stacklevel=3)
+
+
 @functools.lru_cache(maxsize=None)
 def load():
-    """The compiled kernel library (a ``ctypes.CDLL``), or None when it cannot be built here."""
+    """The compiled kernel library (a ``ctypes.CDLL``), or None when it cannot be built or trusted here."""
     if os.environ.get("TRL_FP8_NO_NATIVE", "") not in ("", "0") or sys.platform == "win32":
         return None
     cc = _compiler()
     if cc is None:
         return None
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
-    tag = hashlib.sha256((C_SOURCE + " ".join(flags) + platform.machine() + cc).encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"fair_cast_{tag}.so"
-    if not lib_path.is_file():
+    folder = _cache_dir()
+    lib_path = folder / f"fair_cast_{_cache_tag(_cache_key(cc))}.so"
+    reason = _prepare_dir(folder)
+    if reason is not None:
+        _refuse("folder", folder, reason)
+        return None
+    if not os.path.lexists(lib_path):
         try:
-            lib_path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-                src = Path(tmp) / "fair_cast.c"
-                src.write_text(C_SOURCE)
-                tmp_lib = Path(tmp) / lib_path.name
-                subprocess.run([cc, *flags, str(src), "-o", str(tmp_lib)], check=True, capture_output=True,
-                               text=True, timeout=120)
-                os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a library
+            _build(cc, lib_path)
         except (OSError, subprocess.SubprocessError) as err:
             detail = getattr(err, "stderr", "") or str(err)
             warnings.warn(f"trl_fp8: could not build the fused Fair Cast CPU kernels ({detail.strip()[:200]}); "
                           "using the PyTorch implementation (same results, slower).", stacklevel=2)
             return None
     try:
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError:
+        reason = _why_unsafe(lib_path, os.lstat(lib_path), directory=False)
+    except OSError as err:
+        reason = f"cannot be read ({err})"
+    if reason is not None:
+        _refuse("library", lib_path, reason)
         return None
-    lib.trl_fp8_sr_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int]
-    lib.trl_fp8_sr_bf16.restype = None
-    lib.trl_fp8_ef_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    lib.trl_fp8_ef_bf16.restype = None
-    return lib
+    try:
+        return _open(lib_path)
+    except (OSError, AttributeError):
+        return None
+
+
+def _check_tensor(name: str, t, dtype: torch.dtype, shape: torch.Size | None = None) -> None:
+    """Raise unless ``t`` is a contiguous CPU tensor of ``dtype`` (and ``shape``): safe for a raw-pointer call."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if shape is not None and t.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)} (the shape of src), got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_nthreads(nthreads) -> None:
+    if isinstance(nthreads, bool) or not isinstance(nthreads, int) or not 1 <= nthreads < 2**31:
+        raise ValueError(f"nthreads must be an int in [1, 2**31), got {nthreads!r}")
+
+
+def sr_bf16(lib, src: torch.Tensor, out: torch.Tensor | None, key: int, nthreads: int) -> torch.Tensor:
+    """Stochastically round fp32 ``src`` into bf16 ``out`` (allocated when None) with the kernel in ``lib``.
+
+    ``src``: contiguous fp32 CPU tensor; ``out``: contiguous bf16 CPU tensor of ``src``'s shape; ``key``: the
+    32-bit stream key; ``nthreads`` >= 1. Anything else raises before the library sees a pointer.
+    """
+    _check_tensor("src", src, torch.float32)
+    if out is None:
+        out = torch.empty(src.shape, dtype=torch.bfloat16)
+    _check_tensor("out", out, torch.bfloat16, src.shape)
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**32:
+        raise ValueError(f"key must be an int in [0, 2**32), got {key!r}")
+    _check_nthreads(nthreads)
+    lib.trl_fp8_sr_bf16(src.data_ptr(), out.data_ptr(), src.numel(), key, nthreads)
+    return out
+
+
+def ef_bf16(lib, src: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None, nthreads: int) -> torch.Tensor:
+    """Error-feedback round fp32 ``src`` into bf16 ``out`` (allocated when None), updating ``residual`` in place.
+
+    ``src`` and ``residual``: contiguous fp32 CPU tensors of one shape; ``out``: contiguous bf16 CPU tensor of
+    that shape; ``nthreads`` >= 1. Anything else raises before the library sees a pointer.
+    """
+    _check_tensor("src", src, torch.float32)
+    _check_tensor("residual", residual, torch.float32, src.shape)
+    if out is None:
+        out = torch.empty(src.shape, dtype=torch.bfloat16)
+    _check_tensor("out", out, torch.bfloat16, src.shape)
+    _check_nthreads(nthreads)
+    lib.trl_fp8_ef_bf16(src.data_ptr(), residual.data_ptr(), out.data_ptr(), src.numel(), nthreads)
+    return out

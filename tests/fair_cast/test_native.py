@@ -1,0 +1,403 @@
+"""The compiled Fair Cast kernels (trl_fp8.fair_cast._native): cache key, cache permissions, atomic builds,
+argument checks before raw-pointer calls, and the PyTorch fallback when no compiler is available.
+
+Every test runs with ``TRL_FP8_CACHE`` pointing into its own ``tmp_path``; tests that need a real C compiler
+skip without one."""
+
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_fp8.fair_cast import _native
+from trl_fp8.fair_cast import rounding as R
+
+SPECIALS = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 3.4e38, -3.4e38, 1e-40, -1e-40, 1.0, -1.0]
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the native kernels are not built on Windows")
+
+
+def _need_cc():
+    if _native._compiler() is None:
+        pytest.skip("skipped: no cc")
+
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """A private cache folder (never the user's home) and a fresh ``load()`` before and after each test."""
+    folder = tmp_path / "cache" / "trl_fp8"
+    monkeypatch.setenv("TRL_FP8_CACHE", str(folder))
+    monkeypatch.delenv("TRL_FP8_NO_NATIVE", raising=False)
+    _native.load.cache_clear()
+    yield folder
+    _native.load.cache_clear()
+
+
+@pytest.fixture
+def fake_toolchain(monkeypatch):
+    """A pretend compiler and CPU, and a build that records its target instead of compiling: the cache logic
+    without a C compiler. ``env`` holds the compiler identity and CPU features the cache key sees."""
+    env = {"compiler": "fakecc 1.0", "cpu": "x86_64 flags: sse2 avx2", "built": []}
+
+    def build(cc, lib_path):
+        env["built"].append(lib_path)
+        lib_path.write_bytes(b"not really a library")
+        os.chmod(lib_path, 0o700)
+
+    monkeypatch.setattr(_native, "_compiler", lambda: "/fake/bin/cc")
+    monkeypatch.setattr(_native, "_compiler_identity", lambda cc: env["compiler"])
+    monkeypatch.setattr(_native, "_cpu_features", lambda cc: env["cpu"])
+    monkeypatch.setattr(_native, "_build", build)
+    monkeypatch.setattr(_native, "_open", lambda path: ("lib", path))
+    return env
+
+
+def _load_quietly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning expected
+        return _native.load()
+
+
+def _load_refused(match):
+    with pytest.warns(UserWarning) as record:
+        assert _native.load() is None
+    messages = [str(w.message) for w in record if "trl_fp8" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert match in messages[0]
+    return messages[0]
+
+
+# ---------------------------------------------------------------------------------------------- real build
+
+
+def test_native_kernel_builds_into_a_private_cache(cache):
+    _need_cc()
+    lib = _load_quietly()
+    assert lib is not None
+    assert _mode(cache) == 0o700
+    files = sorted(p.name for p in cache.iterdir())
+    assert len(files) == 1 and files[0].startswith("fair_cast_") and files[0].endswith(".so"), files  # no temps
+    lib_file = cache / files[0]
+    assert os.stat(lib_file).st_uid == os.geteuid()
+    assert _mode(lib_file) & 0o022 == 0
+    assert _native.load() is lib  # built once per process
+
+    x = torch.cat([torch.randn(4099) * 0.1, torch.tensor(SPECIALS)])
+    key = R.derive_key(3, 7, 1)
+    sr = _native.sr_bf16(lib, x, None, key, 2)
+    assert torch.equal(_bits(sr), _bits(R._sr_bf16_bits_torch(x, key)))
+    r1 = torch.randn_like(x) * 1e-4
+    r1[-len(SPECIALS):] = 0
+    r2 = r1.clone()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    assert _native.ef_bf16(lib, x, r1, out, 2) is out
+    assert torch.equal(_bits(out), _bits(R._error_feedback_torch(x, r2, torch.bfloat16)))
+    assert torch.equal(r1, r2)
+
+
+def test_failed_build_leaves_no_library_and_no_temporaries(cache, tmp_path, monkeypatch):
+    # a "compiler" that writes half a library and fails: nothing may end up under the cached name
+    fake = tmp_path / "bin" / "cc"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nwhile [ "$#" -gt 0 ]; do\n  if [ "$1" = "-o" ]; then printf half > "$2"; fi\n'
+                    '  shift\ndone\necho "cc: error: simulated failure" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.warns(UserWarning, match="could not build"):
+        assert _native.load() is None
+    assert list(cache.iterdir()) == []
+
+
+def test_build_writes_a_temporary_in_the_same_folder_then_replaces(cache, monkeypatch):
+    _need_cc()
+    moves = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        moves.append((Path(src), Path(dst), Path(src).read_bytes()[:4]))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(_native.os, "replace", spy)
+    assert _native.load() is not None
+    (tmp, dst, magic), = moves
+    assert tmp.parent == dst.parent == cache and tmp != dst
+    assert dst.name.startswith("fair_cast_") and magic in (b"\x7fELF", b"\xcf\xfa\xed\xfe")  # a whole library
+    assert [p.name for p in cache.iterdir()] == [dst.name]
+
+
+# ---------------------------------------------------------------------------------------------- cache key
+
+
+def test_cache_key_holds_source_flags_compiler_version_and_cpu_flags():
+    _need_cc()
+    cc = _native._compiler()
+    key = _native._cache_key(cc)
+    assert key["source"] == _native.C_SOURCE
+    assert "-march=native" in key["flags"] and "-O3" in key["flags"]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.strip()
+    assert version and version in key["compiler"]
+    assert platform.machine() in key["cpu"]
+    if os.path.exists("/proc/cpuinfo"):  # -march=native: the key must hold the CPU's feature flags
+        with open("/proc/cpuinfo") as fh:
+            flags = [line.partition(":")[2].split() for line in fh
+                     if line.partition(":")[0].strip() in ("flags", "Features")]
+        if flags:
+            assert " ".join(flags[0]) in key["cpu"]
+    assert _native._cache_tag(key) == _native._cache_tag(_native._cache_key(cc))  # deterministic
+
+
+@pytest.mark.parametrize("part", ["source", "flags", "compiler", "cpu"])
+def test_cache_tag_changes_with_every_part_of_the_key(part):
+    key = {"source": "int f(void);", "flags": "-O3 -march=native", "compiler": "gcc 12.2", "cpu": "flags: avx2"}
+    changed = dict(key, **{part: key[part] + " x"})
+    assert _native._cache_tag(changed) != _native._cache_tag(key)
+    assert _native._cache_tag(dict(key)) == _native._cache_tag(key)
+
+
+def test_cache_from_another_cpu_or_compiler_is_not_reused(cache, fake_toolchain):
+    env = fake_toolchain
+    assert _load_quietly()[0] == "lib"
+    first = env["built"][0]
+    _native.load.cache_clear()
+    assert _load_quietly()[1] == first and len(env["built"]) == 1  # same machine: reused, not rebuilt
+
+    env["cpu"] = "x86_64 flags: sse2"  # another CPU (no avx2)
+    _native.load.cache_clear()
+    assert _load_quietly()[1] != first and len(env["built"]) == 2
+
+    env["compiler"] = "fakecc 2.0"  # another compiler
+    _native.load.cache_clear()
+    assert _load_quietly()[1] not in env["built"][:2] and len(env["built"]) == 3
+    assert len({p.name for p in cache.iterdir()}) == 3
+
+
+def test_flags_and_source_are_in_the_library_name(cache, fake_toolchain, monkeypatch):
+    _load_quietly()
+    monkeypatch.setattr(_native, "FLAGS", _native.FLAGS + ("-DEXTRA",))
+    _native.load.cache_clear()
+    _load_quietly()
+    monkeypatch.setattr(_native, "C_SOURCE", _native.C_SOURCE + "\n/* changed */\n")
+    _native.load.cache_clear()
+    _load_quietly()
+    assert len(set(fake_toolchain["built"])) == 3
+
+
+# ---------------------------------------------------------------------------------------------- permissions
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
+def test_cache_folder_is_created_0700(cache, fake_toolchain, umask):
+    old = os.umask(umask)
+    try:
+        assert _load_quietly() is not None
+    finally:
+        os.umask(old)
+    assert _mode(cache) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777, 0o720])
+def test_group_or_other_writable_folder_is_refused(cache, fake_toolchain, mode):
+    cache.mkdir(parents=True)
+    cache.chmod(mode)
+    message = _load_refused("group- or other-writable")
+    assert str(cache) in message and "PyTorch" in message
+    assert fake_toolchain["built"] == [] and list(cache.iterdir()) == []
+
+
+def test_folder_owned_by_someone_else_is_refused(cache, fake_toolchain, monkeypatch):
+    cache.mkdir(parents=True, mode=0o700)
+    monkeypatch.setattr(_native, "_current_uid", lambda: os.stat(cache).st_uid + 1)
+    message = _load_refused("not by the current user")
+    assert str(cache) in message and fake_toolchain["built"] == []
+
+
+def test_folder_that_is_a_file_is_refused(cache, fake_toolchain):
+    cache.parent.mkdir(parents=True)
+    cache.write_text("")
+    assert str(cache) in _load_refused("is not a directory")
+    assert fake_toolchain["built"] == []
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o666])
+def test_writable_existing_library_is_refused(cache, fake_toolchain, mode):
+    assert _load_quietly() is not None
+    lib_path = fake_toolchain["built"][0]
+    lib_path.chmod(mode)
+    _native.load.cache_clear()
+    message = _load_refused("group- or other-writable")
+    assert str(lib_path) in message and len(fake_toolchain["built"]) == 1  # neither loaded nor rebuilt
+
+
+def test_symlinked_library_is_refused(cache, fake_toolchain, tmp_path):
+    assert _load_quietly() is not None
+    lib_path = fake_toolchain["built"][0]
+    elsewhere = tmp_path / "elsewhere.so"
+    lib_path.rename(elsewhere)
+    lib_path.symlink_to(elsewhere)
+    _native.load.cache_clear()
+    assert str(lib_path) in _load_refused("not a regular file")
+
+
+def test_library_owned_by_someone_else_is_refused(tmp_path, monkeypatch):
+    lib = tmp_path / "fair_cast_x.so"
+    lib.write_bytes(b"")
+    lib.chmod(0o700)
+    st = os.lstat(lib)
+    assert _native._why_unsafe(lib, st, directory=False) is None
+    monkeypatch.setattr(_native, "_current_uid", lambda: st.st_uid + 1)
+    assert "not by the current user" in _native._why_unsafe(lib, st, directory=False)
+
+
+# ---------------------------------------------------------------------------------------------- argument checks
+
+
+class _RecordingLib:
+    """Stands in for the CDLL: the checks must raise before any raw pointer reaches it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def trl_fp8_sr_bf16(self, *args):
+        self.calls.append(("sr", args))
+
+    def trl_fp8_ef_bf16(self, *args):
+        self.calls.append(("ef", args))
+
+
+def _src():
+    return torch.randn(4, 6)
+
+
+def _bf16(shape=(4, 6)):
+    return torch.empty(shape, dtype=torch.bfloat16)
+
+
+SR_BAD = {
+    "src dtype": (dict(src=torch.randn(4, 6, dtype=torch.float64)), TypeError, "src must have dtype torch.float32"),
+    "src type": (dict(src=[1.0, 2.0]), TypeError, "src must be a torch.Tensor"),
+    "src strided": (dict(src=torch.randn(6, 4).t()), ValueError, "src must be contiguous"),
+    "src device": (dict(src=torch.empty(4, 6, device="meta")), ValueError, "src must be on the CPU"),
+    "out dtype fp16": (dict(out=torch.empty(4, 6, dtype=torch.float16)), TypeError,
+                       "out must have dtype torch.bfloat16"),
+    "out dtype fp32": (dict(out=torch.empty(4, 6)), TypeError, "out must have dtype torch.bfloat16"),
+    "out shape": (dict(out=_bf16((4, 7))), ValueError, r"out must have shape \(4, 6\)"),
+    "out same numel": (dict(out=_bf16((6, 4))), ValueError, r"out must have shape \(4, 6\)"),
+    "out strided": (dict(out=_bf16((6, 4)).t()), ValueError, "out must be contiguous"),
+    "out device": (dict(out=torch.empty(4, 6, dtype=torch.bfloat16, device="meta")), ValueError,
+                   "out must be on the CPU"),
+    "key negative": (dict(key=-1), ValueError, "key must be"),
+    "key too big": (dict(key=2**32), ValueError, "key must be"),
+    "nthreads zero": (dict(nthreads=0), ValueError, "nthreads must be"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SR_BAD))
+def test_sr_bf16_rejects_bad_arguments_before_the_call(case):
+    change, error, match = SR_BAD[case]
+    args = dict(src=_src(), out=_bf16(), key=123, nthreads=1)
+    args.update(change)
+    lib = _RecordingLib()
+    with pytest.raises(error, match=match):
+        _native.sr_bf16(lib, args["src"], args["out"], args["key"], args["nthreads"])
+    assert lib.calls == []
+
+
+EF_BAD = {
+    "src dtype": (dict(src=torch.randn(4, 6).bfloat16()), TypeError, "src must have dtype torch.float32"),
+    "src strided": (dict(src=torch.randn(6, 4).t()), ValueError, "src must be contiguous"),
+    "residual dtype": (dict(residual=torch.zeros(4, 6, dtype=torch.float64)), TypeError,
+                       "residual must have dtype torch.float32"),
+    "residual bf16": (dict(residual=_bf16()), TypeError, "residual must have dtype torch.float32"),
+    "residual shape": (dict(residual=torch.zeros(24)), ValueError, r"residual must have shape \(4, 6\)"),
+    "residual strided": (dict(residual=torch.zeros(6, 4).t()), ValueError, "residual must be contiguous"),
+    "residual device": (dict(residual=torch.zeros(4, 6, device="meta")), ValueError, "residual must be on the CPU"),
+    "out dtype": (dict(out=torch.empty(4, 6, dtype=torch.float16)), TypeError, "out must have dtype torch.bfloat16"),
+    "out shape": (dict(out=_bf16((5, 6))), ValueError, r"out must have shape \(4, 6\)"),
+    "out strided": (dict(out=_bf16((6, 4)).t()), ValueError, "out must be contiguous"),
+    "out device": (dict(out=torch.empty(4, 6, dtype=torch.bfloat16, device="meta")), ValueError,
+                   "out must be on the CPU"),
+    "nthreads bool": (dict(nthreads=True), ValueError, "nthreads must be"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EF_BAD))
+def test_ef_bf16_rejects_bad_arguments_before_the_call(case):
+    change, error, match = EF_BAD[case]
+    args = dict(src=_src(), residual=torch.zeros(4, 6), out=_bf16(), nthreads=1)
+    args.update(change)
+    lib = _RecordingLib()
+    with pytest.raises(error, match=match):
+        _native.ef_bf16(lib, args["src"], args["residual"], args["out"], args["nthreads"])
+    assert lib.calls == []
+
+
+def test_good_arguments_reach_the_library_unchanged():
+    lib = _RecordingLib()
+    src, residual, out = _src(), torch.zeros(4, 6), _bf16()
+    assert _native.sr_bf16(lib, src, out, 2**32 - 1, 3) is out
+    assert _native.ef_bf16(lib, src, residual, out, 2) is out
+    allocated = _native.sr_bf16(lib, src, None, 0, 1)
+    assert allocated.dtype == torch.bfloat16 and allocated.shape == src.shape
+    assert lib.calls[0] == ("sr", (src.data_ptr(), out.data_ptr(), 24, 2**32 - 1, 3))
+    assert lib.calls[1] == ("ef", (src.data_ptr(), residual.data_ptr(), out.data_ptr(), 24, 2))
+
+
+# ---------------------------------------------------------------------------------------------- no compiler
+
+
+def test_missing_compiler_falls_back_to_torch_with_identical_bits(cache, tmp_path, monkeypatch):
+    x = torch.cat([torch.randn(5003) * 0.1, torch.tensor(SPECIALS)])
+    key = R.derive_key(11, 4, 3)
+    expected_sr = R._sr_bf16_bits_torch(x, key)
+    r_expected = torch.randn_like(x) * 1e-4
+    r_expected[-len(SPECIALS):] = 0
+    r_used = r_expected.clone()
+    expected_ef = R._error_feedback_torch(x, r_expected, torch.bfloat16)
+
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv("CC", raising=False)
+    assert _native._compiler() is None
+    assert _load_quietly() is None
+    assert not os.path.exists(cache)  # nothing built, nothing created
+
+    used = []
+    real_sr, real_ef = R._sr_bf16_bits_torch, R._error_feedback_torch
+    monkeypatch.setattr(R, "_sr_bf16_bits_torch", lambda *a: used.append("sr") or real_sr(*a))
+    monkeypatch.setattr(R, "_error_feedback_torch", lambda *a: used.append("ef") or real_ef(*a))
+    got_sr = R.stochastic_round(x, seed=11, step=4, index=3)
+    got_ef = R.error_feedback_round(x, r_used)
+    assert used == ["sr", "ef"]  # the PyTorch path ran
+    assert torch.equal(_bits(got_sr), _bits(expected_sr))
+    assert torch.equal(_bits(got_ef), _bits(expected_ef))
+    assert torch.equal(r_used, r_expected)
+
+
+def test_no_native_env_var_disables_the_kernels(cache, fake_toolchain, monkeypatch):
+    monkeypatch.setenv("TRL_FP8_NO_NATIVE", "1")
+    assert _load_quietly() is None
+    assert fake_toolchain["built"] == [] and not os.path.exists(cache)
+
+
+def test_compiler_lookup_honours_cc(tmp_path, monkeypatch):
+    fake = tmp_path / "mycc"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    assert _native._compiler() == shutil.which(str(fake))
