@@ -3,10 +3,9 @@
 import pytest
 import torch
 
+from trl_fp8 import numerics
+from trl_fp8.samplers import SyncLog, TransformersSampler, VLLMServerSampler, effective_columns, probe_columns
 from trl_fp8.sync.monitor import LearnerSide, SyncMonitor
-from trl_fp8.sync.samplers import (
-    TransformersSampler, VLLMServerSampler, dense_recipe, effective_columns, probe_columns,
-)
 
 
 @pytest.fixture
@@ -43,7 +42,7 @@ def test_transformers_sampler_reads_loads_versions_and_builds_cold_copies(tied_m
     assert sampler.version() == 7
     cold = sampler.cold({name: new + 1})
     assert torch.equal(cold.read(name), new + 1) and torch.equal(sampler.read(name), new)
-    assert sampler.recipe()[name] == dense_recipe(torch.bfloat16)
+    assert sampler.recipe()[name] == numerics.dense(torch.bfloat16)
 
 
 def test_transformers_sampler_scores_given_sequences(tied_model):
@@ -81,14 +80,12 @@ class _Client:
 
 def test_server_sampler_checks_what_the_client_sees():
     learner = {"a.weight": torch.zeros(2, 2, dtype=torch.bfloat16), "b.weight": torch.zeros(3, dtype=torch.bfloat16)}
-    side = LearnerSide(lambda: learner.items(), learner.__getitem__,
-                       {n: {**dense_recipe(torch.bfloat16), "cast": "none"} for n in learner})
+    side = LearnerSide(lambda: learner.items(), {n: numerics.dense(torch.bfloat16) for n in learner})
     client = _Client("float32")
     sampler = VLLMServerSampler(client, {n: tuple(t.shape) for n, t in learner.items()})
     monitor = SyncMonitor("all", sampler, side)
     assert set(monitor.checks) == {"recipe_parity", "coverage", "logprob_agreement", "cache_hygiene"}
     assert sampler.reset_cache() is None and client.resets == 1
-    from trl_fp8.sync.monitor import SyncLog
     import trl_fp8
 
     log = SyncLog()

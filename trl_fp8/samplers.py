@@ -2,31 +2,39 @@
 the same process (TRL's colocate mode) or a vLLM server.
 
 A sampler answers in *learner names* (``model.layers.0.self_attn.q_proj.weight``), whatever its own layout (vLLM
-fuses q/k/v and gate/up into one parameter). Capabilities differ; ``supports`` lists the checks a sampler can
-feed (a server cannot hand its tensors back, for one).
+fuses q/k/v and gate/up into one parameter). What it can do is declared, not assumed: ``readable`` (its tensors
+can be read back), ``has_prefix_cache`` (it keeps a prefix/KV cache across calls) and ``cache_observable`` (that
+cache's state can be read). Fair Cast exports into a sampler, the weight-sync checks read back from it. The
+numerics of its tensors are data (:class:`trl_fp8.numerics.TensorSpec`): the capability that quantizes a layer
+passes a ``describe`` function, so this module knows no quantization format. No TRL imports.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from .checks import CHECKS
+from . import numerics
 
 VERSION_ATTR = "_trl_fp8_weight_version"
 ALIAS_PROBE_COLUMNS = 8  # input dimensions probed through a tied output layer per check
 
 
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+class SyncLog:
+    """What one sync streamed: counts, shapes, dtypes and (references to) the tensors, per learner name."""
 
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.reset_ok: bool | None = None
 
-def dense_recipe(dtype) -> dict:
-    """The recipe of a plain (unquantized) tensor in ``dtype``."""
-    return {"dtype": _dtype_name(dtype), "format": "dense", "block_size": None, "scale_dtype": None,
-            "scale_rounding": None, "excluded": False, "kernel": "dense"}
+    def tap(self, named: Iterable[tuple[str, torch.Tensor]]):
+        for name, tensor in named:
+            self.counts[name] = self.counts.get(name, 0) + 1
+            self.tensors[name] = tensor
+            yield name, tensor
 
 
 def probe_columns(numel: int, count: int, step: int) -> torch.Tensor:
@@ -50,8 +58,9 @@ class Sampler:
     """Base class: the in-process view of a sampler. Subclasses fill in what their engine allows."""
 
     kind = "sampler"
-    supports: frozenset = frozenset(CHECKS)
-    shares_learner = False  # True: the sampler computes with the learner's own parameters (nothing to sync)
+    readable = True  # read()/load() reach the tensors it computes with
+    has_prefix_cache = False  # keeps a prefix/KV cache across generate calls
+    cache_observable = False  # ... whose state cached_blocks()/reset_cache() can report
 
     def manifest(self) -> dict[str, tuple[tuple, torch.dtype]]:
         """Learner name -> (shape, dtype) of every tensor the sampler serves."""
@@ -89,8 +98,10 @@ class Sampler:
     def cached_blocks(self) -> int | None:
         return None
 
-    def recipe(self) -> dict[str, dict]:
-        return {name: dense_recipe(dtype) for name, (_, dtype) in self.manifest().items()}
+    def recipe(self) -> dict[str, numerics.TensorSpec]:
+        """Learner name -> the spec of what the sampler computes with (the cast its load applies is set by the
+        caller, who knows what was sent)."""
+        return {name: numerics.dense(dtype) for name, (_, dtype) in self.manifest().items()}
 
     def alias_reads(self, step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Tied aliases: alias -> (columns it effectively computes with, the same columns of its target)."""
@@ -104,15 +115,16 @@ class Sampler:
 class TransformersSampler(Sampler):
     """A transformers model that generates in the trainer's process (e.g. Fair Cast's low-precision twin)."""
 
-    kind = "transformers"
-    supports = frozenset(CHECKS) - {"cache_hygiene"}  # generate() keeps no KV cache across calls
+    kind = "transformers"  # generate() keeps no KV cache across calls: no prefix cache
 
     probe_aliases = False  # see alias_reads
 
-    def __init__(self, model: torch.nn.Module, shares_learner: bool = False, quant_layers: bool = False):
+    def __init__(self, model: torch.nn.Module,
+                 describe: Callable[[torch.nn.Module], dict[str, numerics.TensorSpec]] | None = None):
+        """``describe(model)``: specs of the tensors a capability quantizes (read from the modules themselves, so a
+        layer that computes differently reports it); every other tensor is dense in its own dtype."""
         self.model = model
-        self.shares_learner = shares_learner
-        self.quant_layers = quant_layers  # report each linear layer's MXFP8 recipe (or its exclusion)
+        self.describe = describe
         self._params = dict(model.named_parameters())
 
     def manifest(self):
@@ -121,31 +133,15 @@ class TransformersSampler(Sampler):
     def read(self, name):
         return self._params[name].data
 
-    def _mx_layer(self, name):
-        from ..mxfp8.convert import layer_recipe
-
-        if not name.endswith(".weight"):
-            return None
-        try:
-            module = self.model.get_submodule(name.rpartition(".")[0])
-        except AttributeError:
-            return None
-        return layer_recipe(module)
-
     def read_effective(self, name):
-        recipe = self._mx_layer(name)
-        if recipe is None:
-            return self.read(name)
-        from ..mxfp8.convert import fake_quantize
-
-        return fake_quantize(self.read(name), recipe.rounding)
+        spec = self.recipe().get(name) if self.describe is not None else None
+        tensor = self.read(name)
+        return numerics.quantize(tensor, spec) if spec is not None else tensor
 
     def recipe(self):
         out = super().recipe()
-        if self.quant_layers or any(self._mx_layer(n) for n in out):
-            from ..mxfp8.convert import linear_recipes
-
-            out.update({n: e for n, e in linear_recipes(self.model).items() if n in out})
+        if self.describe is not None:
+            out.update({n: s for n, s in self.describe(self.model).items() if n in out})
         return out
 
     @torch.no_grad()
@@ -204,14 +200,14 @@ class TransformersSampler(Sampler):
         params = dict(twin.named_parameters())
         for name, tensor in named.items():
             params[name].data = tensor.detach().clone().to(params[name].dtype)
-        return TransformersSampler(twin)
+        return TransformersSampler(twin, self.describe)
 
 
 class VLLMColocateSampler(Sampler):
     """A vLLM engine in the trainer's process (TRL's colocate mode), read through its model runner."""
 
     kind = "vllm-colocate"
-    supports = frozenset(CHECKS)
+    has_prefix_cache = cache_observable = True
 
     def __init__(self, llm, learner_names: Iterable[str]):
         self.llm = llm
@@ -331,12 +327,12 @@ class VLLMColocateSampler(Sampler):
     def recipe(self):
         out = {}
         for name, (_, dtype) in self.manifest().items():
-            entry = dense_recipe(dtype)
+            spec = numerics.dense(dtype)
             module = self.model.get_submodule(self._where[name][0].rpartition(".")[0])
             method = getattr(module, "quant_method", None)
             if method is not None and not type(method).__name__.startswith("Unquantized"):
-                entry["format"] = type(method).__name__
-            out[name] = entry
+                spec = spec.with_(format=type(method).__name__)
+            out[name] = spec
         return out
 
     def alias_reads(self, step):
@@ -355,10 +351,12 @@ class VLLMColocateSampler(Sampler):
 
 
 class VLLMServerSampler(Sampler):
-    """A ``trl vllm-serve`` server: tensors cannot be read back, so only what the client sees is checked."""
+    """A ``trl vllm-serve`` server: tensors cannot be read back, so only what the client sees is checked. It keeps a
+    prefix cache, but the reset endpoint reports nothing and the cache's state cannot be read."""
 
     kind = "vllm-server"
-    supports = frozenset({"recipe_parity", "coverage", "logprob_agreement", "cache_hygiene"})
+    readable = False
+    has_prefix_cache = True
 
     def __init__(self, client, shapes: dict[str, tuple]):
         self.client = client
@@ -366,7 +364,7 @@ class VLLMServerSampler(Sampler):
 
     def manifest(self):
         info = self.client.get_server_info()
-        dtype = getattr(torch, str(info["model_config"]["dtype"]).removeprefix("torch."))
+        dtype = numerics.torch_dtype(info["model_config"]["dtype"])
         return {n: (tuple(shape), dtype) for n, shape in self._shapes.items()}
 
     def reset_cache(self):

@@ -28,9 +28,10 @@ class _Spy(trl_fp8.GRPOTrainer):
         self.seen.append((self._last_plan_rows, out))
         return out
 
-    def _duet_generate(self, *args):
-        result = super()._duet_generate(*args)
-        self._last_plan_rows = (list(self._duet_batch["rows"]), self._duet_batch["plan"])
+    def _generate_single_turn(self, *args, **kwargs):
+        result = super()._generate_single_turn(*args, **kwargs)
+        batch = self.capability("duet").batch
+        self._last_plan_rows = (list(batch["rows"]), batch["plan"])
         return result
 
 
@@ -74,8 +75,8 @@ def test_placeholder_slots_carry_no_gradient_and_real_rollouts_follow_the_plan(t
 def test_repeated_prompts_warm_the_surrogate(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, dataset=make_arithmetic_dataset(8, seed=1), max_steps=6)
     trainer.train()
-    assert len(trainer._duet.stats) > 0  # observed groups were recorded per prompt
-    assert trainer._duet.stats.cold_length() < 16
+    assert len(trainer.capability("duet").controller.stats) > 0  # observed groups were recorded per prompt
+    assert trainer.capability("duet").controller.stats.cold_length() < 16
 
 
 def test_stopped_rows_generate_no_more_tokens(tiny_model_dir):
@@ -91,7 +92,7 @@ def test_stopped_rows_generate_no_more_tokens(tiny_model_dir):
             return 0.0
 
     monitors = [RolloutMonitor(MarkerDetector(["NEVER"]), k1=0, k2=0, rng=_AlwaysAbort(), grace=4) for _ in range(2)]
-    crit = DuetStoppingCriteria(monitors, tok, enc["input_ids"].shape[1], eos_token_ids=[])  # as generate below
+    crit = DuetStoppingCriteria(monitors, tok, eos_token_ids=[])
     torch.manual_seed(0)
     out = model.generate(**enc, do_sample=True, max_new_tokens=40, pad_token_id=tok.pad_token_id,
                          eos_token_id=[], logits_processor=LogitsProcessorList([crit.scores_tap]),

@@ -20,10 +20,10 @@ def _args(tmp_path, name="run", **overrides):
     return trl_fp8.GRPOConfig(**kwargs)
 
 
-def _trainer(tmp_path, model_dir, **overrides):
+def _trainer(tmp_path, model_dir, peft_config=None, **overrides):
     return trl_fp8.GRPOTrainer(
         model=model_dir, reward_funcs=[correctness_reward, format_reward], args=_args(tmp_path, **overrides),
-        train_dataset=make_arithmetic_dataset(200, seed=5),
+        train_dataset=make_arithmetic_dataset(200, seed=5), peft_config=peft_config,
     )
 
 
@@ -37,7 +37,7 @@ def demo_dir():
 @pytest.mark.parametrize("mode", ["rtn", "stochastic", "error_feedback"])
 def test_loss_runs_on_served_values_and_generation_on_the_twin(tmp_path, demo_dir, mode):
     trainer = _trainer(tmp_path, demo_dir, fair_cast=mode)
-    twin = trainer._served_model
+    twin = trainer.capability("fair_cast").sampler.model
     assert all(p.dtype == torch.bfloat16 for p in twin.parameters())
     learner_q = trainer.model.model.layers[0].self_attn.q_proj
     twin_q = twin.model.layers[0].self_attn.q_proj
@@ -55,7 +55,7 @@ def test_loss_runs_on_served_values_and_generation_on_the_twin(tmp_path, demo_di
     trainer.train()
     assert seen["twin_calls"] > 0  # rollouts came from the served twin
     assert seen["learner_checks"] and all(seen["learner_checks"])  # loss on exactly the served weights
-    served = trainer._fair_cast.served
+    served = trainer.capability("fair_cast").served
     for name, p in trainer.model.named_parameters():
         assert p.dtype == torch.float32
         assert torch.equal(p.data, served.served[name].float()), name
@@ -72,15 +72,15 @@ def test_export_once_per_optimizer_step_with_accumulation(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, gradient_accumulation_steps=2, per_device_train_batch_size=8,
                        steps_per_generation=4, max_steps=2)
     exports = []
-    original = trainer._fair_cast.served.export
-    trainer._fair_cast.served.export = lambda step, names=None: (exports.append(step), original(step, names))[1]
+    original = trainer.capability("fair_cast").served.export
+    trainer.capability("fair_cast").served.export = lambda step, names=None: (exports.append(step), original(step, names))[1]
     trainer.train()
     assert exports == [0, 1, 2]  # once at the start, then once per optimizer step
 
 
 def test_off_builds_nothing(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, fair_cast="off", max_steps=1)
-    assert trainer._fair_cast is None and trainer._served_model is None
+    assert trainer.capability("fair_cast") is None and trainer.capabilities == {}
 
 
 def test_resume_is_exact(tmp_path, tiny_model_dir):
@@ -95,7 +95,7 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
 
     resumed = _trainer(tmp_path, tiny_model_dir, **{**common, "output_dir": str(tmp_path / "resumed")})
     resumed.train(resume_from_checkpoint=checkpoint)
-    a, b = straight._fair_cast.served, resumed._fair_cast.served
+    a, b = straight.capability("fair_cast").served, resumed.capability("fair_cast").served
     for name in a.master:
         assert torch.equal(a.master[name], b.master[name]), name
         assert torch.equal(a.served[name].view(torch.int16), b.served[name].view(torch.int16)), name
@@ -111,7 +111,7 @@ def test_saved_model_is_the_served_copy(tmp_path, tiny_model_dir):
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    served = trainer._fair_cast.served.served
+    served = trainer.capability("fair_cast").served.served
     for name, p in saved.named_parameters():
         assert torch.equal(p.data, served[name].float()), name
 
@@ -159,7 +159,7 @@ def test_lora_serves_the_merged_weights_and_trains_on_them(tmp_path, demo_dir):
     from trl_fp8.fair_cast.rounding import stochastic_round
 
     trainer = _lora_trainer(tmp_path, demo_dir, learning_rate=1e-2)
-    twin = trainer._served_model
+    twin = trainer.capability("fair_cast").sampler.model
     assert not any("lora" in n for n, _ in twin.named_parameters())  # a plain merged model
     layers = {n: m for n, m in trainer.model.named_modules() if isinstance(m, LoraLayer)}
     name, layer = next(iter(layers.items()))
@@ -180,7 +180,7 @@ def test_lora_serves_the_merged_weights_and_trains_on_them(tmp_path, demo_dir):
     layer.register_forward_pre_hook(on_learner)
     trainer.train()
     assert calls["twin"] > 0 and calls["checks"] and all(calls["checks"])
-    served = trainer._fair_cast.served
+    served = trainer.capability("fair_cast").served
     unit = served.units[served_name]
     assert torch.equal(unit.base_master, base_before)  # the fp32 base W never changes
     assert torch.count_nonzero(layer.lora_B["default"].weight) > 0  # the adapters trained
@@ -188,7 +188,7 @@ def test_lora_serves_the_merged_weights_and_trains_on_them(tmp_path, demo_dir):
         merged = base_before + delta()
     expected = stochastic_round(merged, seed=served.seed, step=served.step, index=served._index[served_name])
     assert torch.equal(served.served[served_name].view(torch.int16), expected.view(torch.int16))
-    trainer._sync_in_process_sampler()  # the twin receives the latest export at the next generation's sync
+    trainer._generation_model()  # the twin receives the latest export at the next generation's sync
     assert torch.equal(twin_weight.view(torch.int16), expected.view(torch.int16))
     # frozen non-LoRA tensors are served once and never re-rounded
     assert "model.embed_tokens.weight" not in served.trainable
@@ -200,7 +200,7 @@ def test_lora_resume_is_exact(tmp_path, tiny_model_dir):
     straight.train()
     resumed = _lora_trainer(tmp_path, tiny_model_dir, **{**common, "output_dir": str(tmp_path / "resumed")})
     resumed.train(resume_from_checkpoint=os.path.join(straight.args.output_dir, "checkpoint-2"))
-    a, b = straight._fair_cast.served, resumed._fair_cast.served
+    a, b = straight.capability("fair_cast").served, resumed.capability("fair_cast").served
     for name in a.units:
         assert torch.equal(a.served[name].view(torch.int16), b.served[name].view(torch.int16)), name
     for (n, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
@@ -220,7 +220,7 @@ def test_twin_generates_with_its_own_weights_under_gradient_checkpointing(tmp_pa
     # Regression: TRL patches the policy's forward with a closure over the original model; a deep copy kept that
     # closure, so the twin ran the *learner* (and, with gradient checkpointing in train mode, without a KV cache).
     trainer = _trainer(tmp_path, demo_dir, gradient_checkpointing=True, max_steps=2)
-    twin = trainer._served_model
+    twin = trainer.capability("fair_cast").sampler.model
     ids = trainer.processing_class(["12+34="], return_tensors="pt").input_ids
     trainer.train()
     trainer.model.train()
@@ -238,3 +238,10 @@ def test_twin_generates_with_its_own_weights_under_gradient_checkpointing(tmp_pa
         assert torch.equal(out, fresh.generate(ids, max_new_tokens=10, do_sample=False))
     assert trainer.processing_class.decode(out[0]).startswith("12+34=\\boxed{")
     assert max(r.get("reward", 0) for r in trainer.state.log_history) > 0
+
+
+def test_a_prompt_learning_peft_model_is_refused_at_start(tmp_path, demo_dir):
+    from peft import PromptTuningConfig
+
+    with pytest.raises(ValueError, match=r"fair_cast with a PEFT PROMPT_TUNING model is not supported: .* Use LoRA"):
+        _trainer(tmp_path, demo_dir, peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))

@@ -1,5 +1,6 @@
 """Fair Cast's vLLM push, through TRL 1.16's real `VLLMGeneration.sync_weights`, against recording fakes of the
-engine (colocate) and of the client (server). A real vLLM engine is exercised by the weight-sync work."""
+engine (colocate) and of the client (server). TRL's class is used as it is: only its stream is replaced, on the
+instance. A real vLLM engine is exercised by the weight-sync work."""
 
 from types import SimpleNamespace
 
@@ -8,7 +9,7 @@ import torch
 from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_fp8.fair_cast.served import ServedCopy
-from trl_fp8.fair_cast.vllm import FairCastVLLMGeneration
+from trl_fp8.fair_cast.vllm import VLLMExport
 
 
 class _Engine:
@@ -66,7 +67,8 @@ def _served(mode="stochastic"):
 @pytest.mark.parametrize("mode, dtype", [("colocate", torch.bfloat16), ("server", "torch.bfloat16")])
 def test_sync_pushes_exactly_the_served_bf16_tensors(mode, dtype):
     model, served = _served()
-    gen = FairCastVLLMGeneration.adopt(_sampler(mode, dtype), served)
+    gen = _sampler(mode, dtype)
+    VLLMExport.install(gen, served)
     gen.sync_weights()
     target = gen.llm if mode == "colocate" else gen.vllm_client
     assert [n for n, _ in target.pushed] == [n for n, _ in model.named_parameters()]
@@ -80,7 +82,8 @@ def test_sync_pushes_exactly_the_served_bf16_tensors(mode, dtype):
 
 def test_a_later_export_is_what_the_next_sync_pushes():
     model, served = _served("error_feedback")
-    gen = FairCastVLLMGeneration.adopt(_sampler("colocate", torch.bfloat16), served)
+    gen = _sampler("colocate", torch.bfloat16)
+    VLLMExport.install(gen, served)
     served.before_step()
     with torch.no_grad():
         for p in model.parameters():
@@ -94,14 +97,16 @@ def test_a_later_export_is_what_the_next_sync_pushes():
 @pytest.mark.parametrize("mode, dtype", [("colocate", torch.float16), ("server", "float32")])
 def test_an_engine_in_another_dtype_is_refused(mode, dtype):
     _, served = _served()
-    gen = FairCastVLLMGeneration.adopt(_sampler(mode, dtype), served)
+    gen = _sampler(mode, dtype)
+    VLLMExport.install(gen, served)
     with pytest.raises(ValueError, match="the vLLM engine runs in (float16|float32): loading would round"):
         gen.sync_weights()
 
 
 def test_a_tensor_in_the_wrong_dtype_trips_the_guard():
     _, served = _served()
-    gen = FairCastVLLMGeneration.adopt(_sampler("colocate", torch.bfloat16), served)
+    gen = _sampler("colocate", torch.bfloat16)
+    VLLMExport.install(gen, served)
     first = next(iter(served.served))
     served.served[first] = served.served[first].float()  # an fp32 tensor would be RTN-cast by vLLM
     with pytest.raises(AssertionError, match=f"would push '{first}' as torch.float32"):

@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from trl_fp8.mxfp8.convert import (
-    BLOCK_SIZE, DEFAULT_EXCLUDE, MXRecipe, convert_linears, fake_quantize, layer_recipe, linear_recipes,
-    resolve_kernel, torchao_config,
+    BLOCK_SIZE, DEFAULT_EXCLUDE, MXRecipe, convert_linears, layer_recipe, layer_spec, linear_specs, resolve_kernel,
+    torchao_config,
 )
+from trl_fp8.numerics import mx_fake_quantize as fake_quantize
 
 
 def _mx_reference(x, w, b=None):
@@ -37,7 +38,10 @@ def test_converted_linear_keeps_its_bias_which_torchao_s_tensor_subclass_drops()
     ours, theirs = nn.Linear(64, 32), nn.Linear(64, 32)
     theirs.load_state_dict(ours.state_dict())
     weight, bias = ours.weight, ours.bias
-    convert_linears(nn.Sequential(ours), MXRecipe())
+    holder = nn.Sequential(ours)
+    convert_linears(holder, MXRecipe())
+    ours = holder[0]  # swapped for an MXFP8 module built from the linear (no __class__ assignment)
+    assert type(ours).__name__ == "TrlFp8MXFP8Linear"
     assert ours.weight is weight and ours.bias is bias  # the same Parameters: optimizers and checkpoints unaffected
     torch.testing.assert_close(ours(x), _mx_reference(x, weight.detach(), bias.detach()), rtol=0, atol=1e-5)
     quantize_(nn.Sequential(theirs), torchao_config(MXRecipe()), filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
@@ -47,8 +51,9 @@ def test_converted_linear_keeps_its_bias_which_torchao_s_tensor_subclass_drops()
 
 def test_backward_runs_for_any_token_count_and_autocast_is_handled():
     torch.manual_seed(0)
-    lin = nn.Linear(64, 32)
-    convert_linears(nn.Sequential(lin), MXRecipe())
+    holder = nn.Sequential(nn.Linear(64, 32))
+    convert_linears(holder, MXRecipe())
+    lin = holder[0]
     for shape in ((4, 64), (3, 7, 64), (32, 64)):  # torchao alone asserts unless tokens % 32 == 0
         x = torch.randn(*shape, requires_grad=True)
         out = lin(x)
@@ -80,8 +85,9 @@ def test_exclusions_indivisible_layers_and_nothing_to_convert(caplog):
     assert report["excluded"] == ["embed_proj", "gate", "lm_head"]
     assert report["indivisible"] == ["odd (64×48)"]
     assert "keep high precision, their dimensions are not multiples of 32: odd (64×48)" in caplog.text
-    recipes = linear_recipes(model)
-    assert recipes["gate_proj.weight"]["format"] == "mxfp8" and recipes["gate.weight"]["excluded"] is True
+    specs = linear_specs(model)
+    assert specs["gate_proj.weight"].format == "mxfp8" and specs["gate.weight"].excluded is True
+    assert specs["gate.weight"].format == "dense"
     with pytest.raises(ValueError, match=r"found no linear layer to convert: excluded by mxfp8_exclude: lm_head; "
                                          r"dimensions not multiples of 32: odd"):
         convert_linears(nn.ModuleDict({"lm_head": nn.Linear(64, 64), "odd": nn.Linear(48, 64)}), MXRecipe())
@@ -90,13 +96,14 @@ def test_exclusions_indivisible_layers_and_nothing_to_convert(caplog):
 
 
 def test_recipes_and_kernels():
-    lin = nn.Linear(64, 64)
-    convert_linears(nn.Sequential(lin), MXRecipe(rounding="floor"))
+    holder = nn.Sequential(nn.Linear(64, 64))
+    convert_linears(holder, MXRecipe(rounding="floor"))
+    lin = holder[0]
     assert layer_recipe(lin) == MXRecipe(rounding="floor", kernel="emulated")
-    assert layer_recipe(nn.Linear(64, 64)) is None
-    assert MXRecipe().as_recipe(torch.bfloat16) == {
-        "dtype": "bfloat16", "format": "mxfp8", "block_size": BLOCK_SIZE, "scale_dtype": "e8m0",
-        "scale_rounding": "rceil", "excluded": False, "kernel": "mxfp8-emulated"}
+    assert layer_recipe(nn.Linear(64, 64)) is None and layer_spec(nn.Linear(64, 64)) is None
+    assert layer_spec(lin).as_dict() == {
+        "dtype": "float32", "format": "mxfp8", "block_size": BLOCK_SIZE, "scale_dtype": "e8m0",
+        "scale_rounding": "floor", "excluded": False, "kernel": "mxfp8-emulated", "cast": "none"}
     with pytest.raises(ValueError, match="scale rounding 'ceil' is not valid"):
         MXRecipe(rounding="ceil")
     if not torch.cuda.is_available():

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import trl_fp8
-from trl_fp8.mxfp8.convert import fake_quantize, layer_recipe
+from trl_fp8.mxfp8.convert import layer_recipe
+from trl_fp8.numerics import mx_fake_quantize as fake_quantize
 from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
 LAYER = "model.layers.1.mlp.down_proj"
@@ -29,12 +30,13 @@ def _trainer(tmp_path, model_dir, peft_config=None, **overrides):
 
 def test_learner_and_twin_quantize_identically_and_checks_stay_clean(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, max_steps=20)
-    report = trainer._mxfp8
+    mxfp8 = trainer.capability("mxfp8")
+    report = mxfp8.report
     assert len(report["converted"]) == 14 and report["excluded"] == ["lm_head"]  # 2 layers × (q,k,v,o,gate,up,down)
     learner = dict(trainer.model.named_modules())
-    twin = dict(trainer._served_model.named_modules())
+    twin = dict(trainer.capability("fair_cast").sampler.model.named_modules())
     for name in report["converted"]:
-        assert layer_recipe(learner[name]) == layer_recipe(twin[name]) == report["recipe"]
+        assert layer_recipe(learner[name]) == layer_recipe(twin[name]) == mxfp8.recipe
     assert learner["model.layers.0.self_attn.q_proj"].bias is not None  # Qwen2's biased q/k/v are converted too
     with warnings.catch_warnings():
         warnings.simplefilter("error", trl_fp8.WeightSyncWarning)
@@ -42,7 +44,7 @@ def test_learner_and_twin_quantize_identically_and_checks_stay_clean(tmp_path, d
     records = [r for r in trainer.state.log_history if "loss" in r]
     assert all(r["sync/quant_parity"] == 1.0 and r["sync/freshness"] == 1.0 for r in records)
     assert records[0]["sync/recipe_parity"] == 1.0
-    trainer._sync_in_process_sampler()
+    trainer._generation_model()
     for name in report["converted"]:  # dequantized weights equal bit for bit (learner: fp32 holding served values)
         a = fake_quantize(learner[name].weight.detach()).to(torch.bfloat16)
         b = fake_quantize(twin[name].weight.detach())
@@ -58,7 +60,7 @@ def test_floor_scales_on_the_sampler_are_caught(tmp_path, demo_dir, check, messa
     from trl_fp8.mxfp8.convert import MXRecipe, torchao_config
 
     trainer = _trainer(tmp_path, demo_dir, sync_checks=[check])
-    layer = trainer._served_model.get_submodule(LAYER)
+    layer = trainer.capability("fair_cast").sampler.model.get_submodule(LAYER)
     layer.scale_calculation_mode = torchao_config(MXRecipe(rounding="floor")).scale_calculation_mode
     with pytest.raises(trl_fp8.WeightSyncError, match=message):
         trainer.train()
@@ -66,7 +68,7 @@ def test_floor_scales_on_the_sampler_are_caught(tmp_path, demo_dir, check, messa
 
 def test_recipe_parity_catches_a_layer_excluded_on_the_sampler_only(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["recipe_parity"])
-    trainer._served_model.get_submodule(LAYER).__class__ = nn.Linear  # the sampler computes it in bf16
+    trainer.capability("fair_cast").sampler.model.get_submodule(LAYER).__class__ = nn.Linear  # the sampler computes it in bf16
     with pytest.raises(trl_fp8.WeightSyncError, match=rf"'{LAYER}.weight': format learner='mxfp8' sampler='dense'"):
         trainer.train()
 

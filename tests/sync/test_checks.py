@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trl_fp8.sync import checks as C
-from trl_fp8.sync.samplers import dense_recipe
+from trl_fp8.numerics import dense
 
 
 def test_resolve_checks_presets_lists_and_unknown_names():
@@ -31,15 +31,13 @@ def test_bitwise_equal_sees_one_flipped_bit_and_signed_zero():
 
 
 def test_recipe_parity_names_the_layer_and_the_field():
-    learner = {"a.weight": {**dense_recipe(torch.bfloat16), "cast": "none"},
-               "b.weight": {**dense_recipe(torch.bfloat16), "cast": "none"}}
-    sampler = {"a.weight": {**dense_recipe(torch.bfloat16), "cast": "none"},
-               "b.weight": {**dense_recipe(torch.float32), "cast": "none"}}
+    learner = {"a.weight": dense(torch.bfloat16), "b.weight": dense(torch.bfloat16)}
+    sampler = {"a.weight": dense(torch.bfloat16), "b.weight": dense(torch.float32)}
     assert C.recipe_parity(learner, learner).passed
     result = C.recipe_parity(learner, sampler)
     assert not result.passed
     assert "'b.weight': dtype learner='bfloat16' sampler='float32'" in result.message
-    excluded = {**sampler, "b.weight": {**learner["b.weight"], "excluded": True}}
+    excluded = {**sampler, "b.weight": learner["b.weight"].with_(excluded=True)}
     assert "'b.weight': excluded learner=False sampler=True" in C.recipe_parity(learner, excluded).message
 
 
@@ -90,36 +88,143 @@ def test_quant_parity_compares_with_the_learner_quantizer_not_the_sent_bytes():
 def test_quant_parity_skips_only_references_that_are_the_verified_sent_tensors():
     ref = {"w": torch.randn(8).to(torch.bfloat16)}
     wrong = {"w": ref["w"] + 1}
-    assert C.quant_parity(["w"], ref.__getitem__, wrong.__getitem__, sent={"w": ref["w"]}).passed  # same object
+    skipped = C.quant_parity(["w"], ref.__getitem__, wrong.__getitem__, sent={"w": ref["w"]})  # same object
+    assert skipped.passed and not skipped.applicable  # nothing compared: not applicable, not a pass to count
     assert not C.quant_parity(["w"], ref.__getitem__, wrong.__getitem__, sent={"w": ref["w"].clone()}).passed
 
 
-def test_logprob_band_calibrates_then_enforces():
-    band = C.LogprobBand(factor=3.0, floor=0.01, calibration=2)
+def _logps(gap, explained=None, shape=(2, 5)):
+    """(learner, sampler, numerics): every token's |learner − sampler| is gap, |learner − numerics| explained."""
+    learner = torch.zeros(shape)  # at 0 the float32 gaps are the decimal ones to ~1e-7 relative
+    numerics = None if explained is None else learner - explained
+    return learner, learner - gap, numerics
+
+
+def _band(**kw):
+    return C.LogprobBand(**{"factor": 2.0, "floor": 0.01, "persistence": 3, "gross_factor": 5.0, "max_ratio": 1.05,
+                            "calibration": 3, "fallback_factor": 3.0, **kw})
+
+
+def _eval(band, gap, explained=None, step=0, mask=None):
+    learner, sampler, numerics = _logps(gap, explained)
+    return band.check(learner, sampler, torch.ones(2, 5) if mask is None else mask, step, numerics_logps=numerics)
+
+
+def test_logprob_band_healthy_gap_passes_forever_as_numerics_grow_tenfold():
+    band = _band()
+    for step in range(200):  # the policy sharpens: explained gap 0.004 -> 0.04, sampler gap 1.6x of it throughout
+        explained = 0.004 * 10 ** (step / 199)
+        r = _eval(band, 1.6 * explained, explained, step)
+        assert r.passed, (step, r.message)
+        assert r.metrics["logp_gap_limit"] == pytest.approx(max(2.0 * explained, 0.01), rel=1e-6)
+        assert r.metrics["logp_gap_numerics"] == pytest.approx(explained, rel=1e-6)
+    assert r.metrics["logp_gap_mean"] == pytest.approx(0.064, rel=1e-6)  # far above log(1.05) and the old band
+    assert band.over == 0
+
+
+def test_logprob_band_persistent_fault_fires_on_the_third_evaluation_not_before():
+    band = _band()
+    for step in range(5):
+        assert _eval(band, 0.012, 0.01, step).passed  # within 2 x 0.01
+    for step in (5, 6):
+        r = _eval(band, 0.03, 0.01, step)
+        assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.02, rel=1e-6)
+    r = _eval(band, 0.03, 0.01, 7)
+    assert not r.passed
+    assert r.message.startswith(
+        "mean |logπ_learner − logμ_sampler| 0.03 at step 7 (max gap 0.03 at masked token 0)")
+    assert "exceeds the band 0.02 (numerics explain 0.01 × 2) for 3 consecutive evaluations (fails after 3)" in \
+        r.message
+    assert not _eval(band, 0.03, 0.01, 8).passed  # and keeps failing while the fault lasts (sync_check_action="warn")
+
+
+def test_logprob_band_spikes_that_do_not_persist_never_fire():
+    band = _band()
+    for step in range(30):  # two over-band evaluations, then a healthy one, over and over
+        r = _eval(band, 0.09 if step % 3 != 2 else 0.015, 0.01, step)
+        assert r.passed, (step, r.message)
+    assert _eval(band, 0.09, 0.01, 30).passed and _eval(band, 0.09, 0.01, 31).passed
+    assert not _eval(band, 0.09, 0.01, 32).passed  # the third in a row
+
+
+def test_logprob_band_floor_applies_when_numerics_explain_almost_nothing():
+    band = _band()
+    r = _eval(band, 0.009, 0.0001, 0)
+    assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.01)
+    for step in (1, 2):
+        assert _eval(band, 0.011, 0.0001, step).passed
+    r = _eval(band, 0.011, 0.0001, 3)
+    assert not r.passed and "exceeds the band 0.01 (floor 0.01 (numerics explain 0.0001 × 2 = 0.0002))" in r.message
+
+
+def test_logprob_band_gross_excess_fires_at_once():
+    r = _eval(_band(), 0.11, 0.01, 4)  # band 0.02, ceiling max(log 1.05, 5 x 0.02) = 0.1
+    assert not r.passed
+    assert ("0.11 at step 4" in r.message and "exceeds the gross ceiling 0.1 = max(log 1.05, 5 × band 0.02); band "
+            "from numerics explain 0.01 × 2: fails at once" in r.message)
+    assert _eval(_band(), 0.099, 0.01, 4).passed  # just under the ceiling: only over the band (1 of 3)
+    # a small band: the ceiling is exp(mean gap) <= 1.05
+    r = _eval(_band(gross_factor=2.0), 0.05, 0.001, 0)
+    assert not r.passed
+    assert f"exceeds the gross ceiling {math.log(1.05):.4g} = max(log 1.05, 2 × band 0.01)" in r.message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_logprob_band_non_finite_gap_fires_at_once(bad):
+    learner, sampler, numerics = _logps(0.001, 0.001)
+    sampler[1, 3] = bad
+    r = _band().check(learner, sampler, torch.ones(2, 5), 6, numerics_logps=numerics)
+    assert not r.passed and "step 6" in r.message
+    assert r.message.startswith("non-finite mean |logπ_learner − logμ_sampler|")
     mask = torch.ones(2, 5)
-    base = torch.full((2, 5), -1.0)
-    for gap in (0.004, 0.006):  # calibration: the larger mean gap
-        assert band.check(base, base + gap, mask, 0).passed
-    assert band.calibrated == pytest.approx(0.006, abs=1e-6)
-    assert band.limit == pytest.approx(0.018, abs=1e-5)
-    ok = band.check(base, base + 0.017, mask, 3)
-    assert ok.passed and ok.metrics["logp_gap_mean"] == pytest.approx(0.017, abs=1e-6)
-    r = band.check(base, base + 0.03, mask, 4)
-    assert not r.passed and "exceeds the band 0.018" in r.message and "step 4" in r.message
-    masked = torch.zeros(2, 5)
-    masked[0, 0] = 1
-    assert band.check(base, base + 5.0 * (1 - masked), masked, 5).passed  # only unmasked tokens count
+    mask[1, 3] = 0  # the same token masked out: it does not count
+    assert _band().check(learner, sampler, mask, 6, numerics_logps=numerics).passed
 
 
-def test_logprob_ceiling_applies_even_during_calibration():
-    band = C.LogprobBand()
-    r = band.check(torch.zeros(1, 4), torch.full((1, 4), -0.1), torch.ones(1, 4), 0)
-    assert not r.passed and f"exp(mean gap) = {math.exp(0.1):.4f} > 1.05" in r.message
+def test_logprob_band_without_numerics_calibrates_then_follows_the_largest_passing_gap():
+    band = _band()
+    for step, gap in enumerate((0.004, 0.006, 0.005)):  # calibrating: no band yet
+        r = _eval(band, gap, None, step)
+        assert r.passed and "logp_gap_limit" not in r.metrics and "logp_gap_numerics" not in r.metrics
+    r = _eval(band, 0.017, None, 3)  # band max(3 x 0.006, 0.01) = 0.018
+    assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.018)
+    assert _eval(band, 0.04, None, 4).metrics["logp_gap_limit"] == pytest.approx(0.051)  # 3 x 0.017: grows with the run
+    for step in (5, 6):
+        assert _eval(band, 0.06, None, step).passed  # under the band 3 x 0.04 = 0.12: passes and raises the reference
+    assert band.reference == pytest.approx(0.06)
+    for step in (7, 8):
+        assert _eval(band, 0.2, None, step).passed  # over the band 0.18, under the ceiling 0.9
+    r = _eval(band, 0.2, None, 9)
+    assert not r.passed and ("exceeds the band 0.18 (no numerics logprobs: largest passing gap 0.06 × 3) for 3 "
+                             "consecutive evaluations" in r.message)
+    r = _eval(_band(), 0.06, None, 0)  # the gross ceiling holds while calibrating: max(log 1.05, 5 x floor)
+    assert not r.passed and "gross ceiling 0.05 = max(log 1.05, 5 × band 0.01); band from the floor 0.01 (no " \
+        "numerics logprobs; fallback calibrating 0/3): fails at once" in r.message
+
+
+def test_logprob_band_metrics_keys_and_masked_tokens_only():
+    r = _eval(_band(), 0.012, 0.01, 0)
+    assert r.metrics == pytest.approx({"logp_gap_mean": 0.012, "logp_gap_max": 0.012, "logp_gap_numerics": 0.01,
+                                       "logp_gap_limit": 0.02})
+    assert set(_eval(_band(), 0.012, None, 0).metrics) == {"logp_gap_mean", "logp_gap_max"}  # limit unknown yet
+    learner, sampler, numerics = _logps(0.0, 0.0)
+    sampler[0, 0] -= 0.004
+    sampler[1] -= 5.0  # a masked-out row far off
+    numerics[1] -= 7.0
+    mask = torch.ones(2, 5)
+    mask[1] = 0
+    r = _band().check(learner, sampler, mask, 0, numerics_logps=numerics)
+    assert r.passed and r.metrics == pytest.approx({"logp_gap_mean": 0.0008, "logp_gap_max": 0.004,
+                                                    "logp_gap_numerics": 0.0, "logp_gap_limit": 0.01})
+    assert _band().check(learner, sampler, torch.zeros(2, 5), 0, numerics_logps=numerics).metrics == {}
 
 
 def test_cache_hygiene():
     assert C.cache_hygiene(3, True, 0).passed
-    assert C.cache_hygiene(3, None, None).passed
+    assert C.cache_hygiene(3, None, None).passed and C.cache_hygiene(3, None, None).applicable
+    unobservable = C.cache_hygiene(3, None, None, observable=False)  # a server: nothing can be observed
+    assert not unobservable.applicable and "cannot be observed" in unobservable.message
+    assert not C.cache_hygiene(3, None, 2, observable=False).passed  # what can be seen still counts
     r = C.cache_hygiene(3, True, 2)
     assert not r.passed and "2 prefix-cache block(s)" in r.message and "step 3" in r.message
     assert "refused to reset" in C.cache_hygiene(3, False, 0).message

@@ -43,9 +43,10 @@ def test_cache_hygiene_catches_a_sync_that_keeps_the_prefix_cache(demo_dir):
     from vllm import LLM, SamplingParams
 
     import trl_fp8
-    from trl_fp8.sync.monitor import LearnerSide, SyncLog, SyncMonitor
-    from trl_fp8.sync.samplers import VLLMColocateSampler, dense_recipe
-    from trl_fp8.sync.vllm import plain_cpu_linears
+    from trl_fp8 import numerics
+    from trl_fp8._trl import plain_cpu_linears
+    from trl_fp8.samplers import SyncLog, VLLMColocateSampler
+    from trl_fp8.sync.monitor import LearnerSide, SyncMonitor
 
     from trl.generation.vllm_generation import ensure_master_addr_port
 
@@ -56,8 +57,7 @@ def test_cache_hygiene_catches_a_sync_that_keeps_the_prefix_cache(demo_dir):
                   seed=0)
     learner = {n: p.detach().to(torch.bfloat16)
                for n, p in AutoModelForCausalLM.from_pretrained(demo_dir).named_parameters()}
-    side = LearnerSide(lambda: learner.items(), learner.__getitem__,
-                       {n: {**dense_recipe(torch.bfloat16), "cast": "none"} for n in learner})
+    side = LearnerSide(lambda: learner.items(), {n: numerics.dense(torch.bfloat16) for n in learner})
     sampler = VLLMColocateSampler(llm, learner)
     monitor = SyncMonitor(["cache_hygiene", "freshness"], sampler, side)
 
@@ -78,10 +78,10 @@ def test_cache_hygiene_catches_a_sync_that_keeps_the_prefix_cache(demo_dir):
     with pytest.raises(trl_fp8.WeightSyncError, match=r"\[cache_hygiene\] 1 prefix-cache block\(s\) computed with "
                                                       r"the old weights survived the sync to step 1"):
         sync(1, reset=False)  # vLLM's own reload path does not reset it
-    assert monitor.pending["sync/freshness"] == [1.0, 1.0]  # the weights themselves were fine
+    assert monitor.compared["freshness"] == 2 and not monitor.failures[:-1]  # the weights themselves were fine
 
     # the interface's logprobs of given sequences: the engine agrees with transformers on the same bf16 weights
-    from trl_fp8.sync.samplers import TransformersSampler
+    from trl_fp8.samplers import TransformersSampler
 
     reference = AutoModelForCausalLM.from_pretrained(demo_dir).eval()
     with torch.no_grad():
@@ -109,8 +109,9 @@ def test_clean_fair_cast_run_of_20_steps_with_all_checks(tmp_path, demo_dir):
             if key in record:
                 assert record[key] == 1.0, (key, record)
         assert record["sync/logp_gap_mean"] == pytest.approx(record["sampling/sampling_logp_difference/mean"])
-    every_step = {"sync/coverage", "sync/freshness", "sync/quant_parity", "sync/cache_hygiene",
-                  "sync/logprob_agreement"}
+    # quant_parity: the engine is sent the served tensors themselves (no quantizer between): not applicable
+    every_step = {"sync/coverage", "sync/freshness", "sync/cache_hygiene", "sync/logprob_agreement"}
+    assert "sync/quant_parity" not in records[0]
     assert all(every_step <= set(r) for r in records)
     assert {"sync/recipe_parity", "sync/differential_oracle"} <= set(records[0])
     assert "sync/differential_oracle" in records[10]  # the periodic reload (every 10 syncs)
@@ -120,23 +121,25 @@ def test_clean_fair_cast_run_of_20_steps_with_all_checks(tmp_path, demo_dir):
     _release(trainer)
 
 
-def test_clean_plain_run_rounds_in_the_engine_and_passes(tmp_path, demo_dir):
-    # no Fair Cast: TRL streams fp32 parameters, the engine rounds them to nearest (the learner's recipe says so)
-    trainer = _trainer(tmp_path, demo_dir, fair_cast="off", bf16=True, max_steps=4)
+@pytest.mark.parametrize("bf16", [True, False])
+def test_clean_plain_run_rounds_in_the_engine_and_passes(tmp_path, demo_dir, bf16):
+    # no Fair Cast: TRL streams fp32 parameters, the engine rounds them to nearest in its own dtype (the learner's
+    # recipe says so) — also with an fp32 learner (bf16=False), whose engine still serves bf16
+    trainer = _trainer(tmp_path, demo_dir, fair_cast="off", bf16=bf16, max_steps=4)
     trainer.train()
-    assert trainer._sync.learner.recipe["model.embed_tokens.weight"]["cast"] == "rtn"
-    assert not trainer._sync.failures
+    monitor = trainer.capability("sync_checks").monitor
+    assert monitor.learner.specs["model.embed_tokens.weight"].cast == "rtn"
+    assert not monitor.failures and monitor.compared["quant_parity"] == 4  # the engine's RTN compared each sync
     _release(trainer)
 
 
 def test_trl_sync_fails_on_packed_linears_without_plain_cpu_linears(tmp_path, demo_dir, monkeypatch):
     import contextlib
 
-    import trl_fp8.trainer
+    import trl_fp8._trl
 
     # Failure mode 1 of vLLM-CPU: linear weights packed into oneDNN handles, parameters deleted
-    monkeypatch.setattr(trl_fp8.trainer.GRPOTrainer, "_engine_context",
-                        staticmethod(lambda args: contextlib.nullcontext()))
+    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda args: contextlib.nullcontext())
     trainer = _trainer(tmp_path, demo_dir, sync_checks="off", fair_cast="off", max_steps=1)
     with pytest.raises(AttributeError, match="weight_loader"):
         trainer.train()
@@ -151,10 +154,9 @@ def test_freshness_catches_the_stale_tied_lm_head_of_reload_weights(tmp_path, de
     from trl.generation.vllm_generation import VLLMGeneration
 
     import trl_fp8
-    import trl_fp8.trainer
+    import trl_fp8._trl
 
-    monkeypatch.setattr(trl_fp8.trainer.GRPOTrainer, "_engine_context",
-                        staticmethod(lambda args: contextlib.nullcontext()))
+    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda args: contextlib.nullcontext())
 
     def reload_sync(self):
         weights = [(n, t.detach().clone()) for n, t in self._iter_named_params()]

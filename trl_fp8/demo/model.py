@@ -118,9 +118,7 @@ def train_demo_model(output_dir: str | os.PathLike, settings: WarmupSettings | N
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     tokenizer = build_char_tokenizer()
-    config = build_demo_config()
-    if len(tokenizer) > config.vocab_size:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {config.vocab_size}")
+    config = build_demo_config()  # its vocab_size covers the char tokenizer (tests/demo/test_model.py)
     model = Qwen2ForCausalLM(config)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)

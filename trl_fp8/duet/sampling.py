@@ -29,10 +29,10 @@ class _ScoresTap(LogitsProcessor):
 
 
 class DuetStoppingCriteria(StoppingCriteria):
-    def __init__(self, monitors, tokenizer, prompt_length: int, eos_token_ids, poll_every: int = 8):
+    def __init__(self, monitors, tokenizer, eos_token_ids, poll_every: int = 8):
         self.monitors = monitors
         self.tokenizer = tokenizer
-        self.prompt_length = prompt_length
+        self.prompt_length = None  # the padded prompt length: the sequence length at the first call, less one
         self.eos = torch.tensor(list(eos_token_ids), dtype=torch.long)
         self.poll_every = poll_every
         n = len(monitors)
@@ -42,6 +42,8 @@ class DuetStoppingCriteria(StoppingCriteria):
         self.scores_tap = _ScoresTap()
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        if self.prompt_length is None:  # called once per decoding step, first with one new token
+            self.prompt_length = input_ids.shape[1] - 1
         t = input_ids.shape[1] - self.prompt_length
         last = input_ids[:, -1].cpu()
         probs = torch.softmax(self.scores_tap.scores.float(), dim=-1).cpu()

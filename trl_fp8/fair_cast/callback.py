@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from transformers import TrainerCallback
 
 from .served import ServedCopy
 
 
 class FairCastCallback(TrainerCallback):
-    """Swap master and served values around every optimizer step; collect the export metrics.
+    """Swap master and served values around every optimizer step; record the export metrics.
 
     ``on_pre_optimizer_step`` puts the fp32 master into the parameters (the optimizer steps the master with
-    the gradient computed on the served values); ``on_optimizer_step`` re-exports and puts the served values
-    back. Metrics of each export are appended to ``self.pending`` (name -> list of floats).
+    the gradient computed on the served values); ``on_optimizer_step`` re-exports, puts the served values
+    back and passes each export metric to ``record(name, value)`` as ``fair_cast/<metric>``.
     """
 
-    def __init__(self, served: ServedCopy):
+    def __init__(self, served: ServedCopy, record: Callable[[str, float], None]):
         self.served = served
+        self.record = record
         self.restored = False
-        self.pending: dict[str, list[float]] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.served.begin(step=state.global_step, restored=self.restored)
@@ -28,10 +30,4 @@ class FairCastCallback(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         for name, value in self.served.after_step(state.global_step + 1).items():
-            self.pending.setdefault(f"fair_cast/{name}", []).append(value)
-
-    def pop_metrics(self) -> dict[str, float]:
-        """Mean of each pending metric since the last call, and clear them."""
-        out = {k: sum(v) / len(v) for k, v in self.pending.items() if v}
-        self.pending.clear()
-        return out
+            self.record(f"fair_cast/{name}", value)

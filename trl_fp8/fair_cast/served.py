@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..numerics import dtype_name
 from .rounding import error_feedback_round, round_nearest, stochastic_round, ulp
 
 EXPORT_MODES = ("rtn", "stochastic", "error_feedback")
@@ -66,9 +67,8 @@ class ServedCopy:
     """Master/served bookkeeping for a list of units (see :class:`ParamUnit`; LoRA layers have their own).
 
     A unit has ``name``, ``shape``, ``device``, ``trainable``, ``master`` (the fp32 value to export) and
-    ``capture()`` / ``restore()`` / ``apply(served)``. ``served_tensors`` maps unit names to the tensors the
-    sampler reads (e.g. the parameters of a low-precision twin model); missing names get a fresh buffer.
-    Frozen units are exported once, at :meth:`begin`: their master never changes.
+    ``capture()`` / ``restore()`` / ``apply(served)``. Each unit gets a served buffer of its shape in
+    ``served_dtype`` (what a sync streams to the sampler). Frozen units are exported once, at :meth:`begin`: their master never changes.
     """
 
     def __init__(
@@ -77,7 +77,6 @@ class ServedCopy:
         mode: str,
         served_dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
-        served_tensors: dict[str, torch.Tensor] | None = None,
         metric_elements: int = METRIC_ELEMENTS,
     ):
         if mode not in EXPORT_MODES:
@@ -88,16 +87,7 @@ class ServedCopy:
         self.units = {u.name: u for u in units}
         if not self.units:
             raise ValueError("Fair Cast: the model has no parameters to export.")
-        served_tensors = served_tensors or {}
-        self.served = {}
-        for n, u in self.units.items():
-            t = served_tensors.get(n)
-            if t is None:
-                t = torch.empty(u.shape, dtype=served_dtype, device=u.device)
-            elif t.shape != u.shape or t.dtype != served_dtype:
-                raise ValueError(f"served tensor '{n}' is {t.dtype} {tuple(t.shape)}, expected {served_dtype} "
-                                 f"{tuple(u.shape)}")
-            self.served[n] = t
+        self.served = {n: torch.empty(u.shape, dtype=served_dtype, device=u.device) for n, u in self.units.items()}
         self.residual = (
             {n: torch.zeros(u.shape, dtype=torch.float32, device=u.device) for n, u in self.units.items()}
             if mode == "error_feedback" else {}
@@ -206,7 +196,7 @@ class ServedCopy:
     def state_dict(self) -> dict:
         return {
             "mode": self.mode,
-            "served_dtype": str(self.dtype).replace("torch.", ""),
+            "served_dtype": dtype_name(self.dtype),
             "seed": self.seed,
             "step": self.step,
             "master": {n: u.master.detach().cpu().clone() for n, u in self.units.items() if isinstance(u, ParamUnit)},
@@ -216,7 +206,7 @@ class ServedCopy:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("mode", self.mode), ("served_dtype", str(self.dtype).replace("torch.", ""))):
+        for key, mine in (("mode", self.mode), ("served_dtype", dtype_name(self.dtype))):
             if state.get(key) != mine:
                 raise ValueError(f"Fair Cast checkpoint has {key}={state.get(key)!r}, but this run uses {mine!r}.")
         masters = [n for n, u in self.units.items() if isinstance(u, ParamUnit)]

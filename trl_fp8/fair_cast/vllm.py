@@ -4,63 +4,46 @@ TRL 1.16 pushes ``param.data`` of the fp32 learner to vLLM, whose ``load_weights
 engine dtype (RTN) — in server mode the tensors travel in fp32 and are cast on the server. With Fair Cast the
 push must carry the exported low-precision tensors instead, and nothing downstream may round again: the
 pushed tensors are already in ``served_dtype`` and the engine must run in that dtype (checked at the first
-sync), so vLLM's copy into its parameters is exact.
+sync), so vLLM's copy into its parameters is exact. TRL's own ``sync_weights`` does the pushing; only its stream
+is replaced, on the instance (:func:`trl_fp8._trl.set_vllm_stream`).
 """
 
 from __future__ import annotations
 
-from trl.generation.vllm_generation import VLLMGeneration
-
+from .. import _trl
+from ..numerics import dtype_name
 from .served import ServedCopy
 
 
-def _dtype_name(value) -> str:
-    return str(value).removeprefix("torch.")
+class VLLMExport:
+    """The stream TRL's sync sends with Fair Cast: the served tensors under TRL's vLLM names."""
 
-
-class FairCastVLLMGeneration(VLLMGeneration):
-    """TRL's ``VLLMGeneration`` whose weight sync streams the served copy (mirrors trl 1.16)."""
-
-    served: ServedCopy
-    _engine_checked: bool = False
+    def __init__(self, generation, served: ServedCopy):
+        self.generation = generation
+        self.served = served
+        self.engine_checked = False
 
     @classmethod
-    def adopt(cls, generation: VLLMGeneration, served: ServedCopy) -> FairCastVLLMGeneration:
-        """Turn TRL's already initialised sampler (engine or client included) into this class."""
-        generation.__class__ = cls
-        generation.served = served
-        generation._engine_checked = False
-        return generation
-
-    def engine_dtype(self) -> str | None:
-        """The dtype the vLLM engine computes in, or None when it cannot be read."""
-        if self.mode == "colocate":
-            config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
-            return _dtype_name(config.dtype) if config is not None else None
-        if self.accelerator.is_main_process:
-            return _dtype_name(self.vllm_client.get_server_info()["model_config"]["dtype"])
-        return None
+    def install(cls, generation, served: ServedCopy) -> VLLMExport:
+        export = cls(generation, served)
+        _trl.set_vllm_stream(generation, export)
+        return export
 
     def check_engine_dtype(self) -> None:
-        engine = self.engine_dtype()
-        served = _dtype_name(self.served.dtype)
+        engine = _trl.vllm_engine_dtype(self.generation)
+        served = dtype_name(self.served.dtype)
         if engine is not None and engine != served:
             raise ValueError(
                 f"Fair Cast serves {served} weights, but the vLLM engine runs in {engine}: loading would round "
                 f"them again. Start vLLM with dtype={served!r} (server: `--dtype {served}`) or set served_dtype="
                 f"{engine!r}."
             )
-        self._engine_checked = True
+        self.engine_checked = True
 
-    # Mirrors trl 1.16 VLLMGeneration._iter_named_params: same names, but the served tensors.
-    def _iter_named_params(self):
-        if getattr(self, "served", None) is None:  # no Fair Cast: TRL's own stream
-            yield from super()._iter_named_params()
-            return
-        if not self._engine_checked:
+    def __call__(self):
+        if not self.engine_checked:
             self.check_engine_dtype()
         for name, tensor in self.served.served.items():
             if tensor.dtype != self.served.dtype:  # the guard: no implicit RTN downstream of the export
                 raise AssertionError(f"Fair Cast would push '{name}' as {tensor.dtype}, not {self.served.dtype}")
-            yield self._fix_param_name_to_vllm(name), tensor
-
+            yield _trl.vllm_name(self.generation, name), tensor

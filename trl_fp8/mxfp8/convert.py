@@ -1,14 +1,15 @@
 """MXFP8 linear layers through torchao 0.18, and the reference quantizer both sides share.
 
 MXFP8: float8_e4m3fn elements, one power-of-two (E8M0) scale per 1×32 block along the reduction dimension. The
-learner's linear layers become torchao's ``MXFP8Linear`` *in place* (the module's class changes; its ``weight`` and
-``bias`` Parameters stay the same objects, so optimizers, Fair Cast units and ``state_dict`` keys are untouched
-and checkpoints load back into plain transformers). ``MXFP8Linear`` runs ``_to_mxfp8_then_scaled_mm`` — the same
+learner's eligible ``nn.Linear`` layers are swapped, in the torchao idiom, for an ``MXFP8Linear`` built from them
+(:meth:`from_linear`, like torchao's ``from_float`` constructors) that holds the *same* ``weight`` and ``bias``
+Parameters, so optimizers, Fair Cast units and ``state_dict`` keys are untouched and checkpoints load back into
+plain transformers. ``MXFP8Linear`` runs ``_to_mxfp8_then_scaled_mm`` — the same
 function torchao's ``MXFP8TrainingOpConfig`` tensor subclass dispatches to — and then adds the bias, which the
 0.18 tensor-subclass path drops (``F.linear(x, w, b)`` is overridden without ``b``; see the tests).
 
-:func:`fake_quantize` is the quantizer both sides are checked against: ``to_mx`` (same element dtype, block size
-and scale rounding) then back to the input dtype.
+What a converted layer computes with is described as data (:func:`layer_spec` -> :class:`trl_fp8.numerics.TensorSpec`);
+the quantizer both sides are checked against is :func:`trl_fp8.numerics.quantize`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from torch import nn
 
 logger = logging.getLogger("trl_fp8.mxfp8")
 
-BLOCK_SIZE = 32
-ELEMENT_DTYPE = torch.float8_e4m3fn
+from .. import numerics
+
+BLOCK_SIZE = numerics.MX_BLOCK_SIZE
 KERNELS = ("auto", "emulated", "sm100")
-ROUNDINGS = ("rceil", "floor")
+ROUNDINGS = numerics.MX_SCALE_ROUNDINGS
 # Kept in bf16 on both sides: the output head, embeddings, MoE router gates (a bare `gate`/`router` module — not
 # the dense `gate_proj`, which an over-broad pattern has been seen to skip in the wild).
 DEFAULT_EXCLUDE = (r"(^|\.)lm_head$", r"embed", r"(^|\.)(router|gate)$")
@@ -43,11 +45,9 @@ class MXRecipe:
         if self.kernel not in ("emulated", "sm100"):
             raise ValueError(f"MXFP8 kernel {self.kernel!r} is not valid; allowed: 'emulated', 'sm100'")
 
-    def as_recipe(self, dtype) -> dict:
-        """This layer's entry for the weight-sync checks' recipe parity."""
-        return {"dtype": str(dtype).removeprefix("torch."), "format": "mxfp8", "block_size": BLOCK_SIZE,
-                "scale_dtype": "e8m0", "scale_rounding": self.rounding, "excluded": False,
-                "kernel": f"mxfp8-{self.kernel}"}
+    def spec(self, dtype) -> numerics.TensorSpec:
+        """What a layer converted with this recipe computes with, for weights stored in ``dtype``."""
+        return numerics.mxfp8(dtype, self.rounding, self.kernel)
 
 
 def _torchao():
@@ -55,13 +55,11 @@ def _torchao():
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
         from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
     except ImportError as err:  # pragma: no cover - torchao is a dependency
         raise ImportError(f"mxfp8=True needs torchao >= 0.18 (torchao.prototype.moe_training): {err}") from err
     return dict(MXFP8TrainingOpConfig=MXFP8TrainingOpConfig, MXFP8TrainingRecipe=MXFP8TrainingRecipe,
-                MXFP8Linear=MXFP8Linear, ScaleCalculationMode=ScaleCalculationMode, to_mx=to_mx, to_dtype=to_dtype,
-                KernelPreference=KernelPreference)
+                MXFP8Linear=MXFP8Linear, ScaleCalculationMode=ScaleCalculationMode, KernelPreference=KernelPreference)
 
 
 _LINEAR_CLASS = None
@@ -79,6 +77,17 @@ def mxfp8_linear_class():
         from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
 
         class TrlFp8MXFP8Linear(ao["MXFP8Linear"]):
+            @classmethod
+            def from_linear(cls, linear: nn.Linear, config) -> TrlFp8MXFP8Linear:
+                """An MXFP8 layer that computes with ``linear``'s own Parameters (no copy, no new storage)."""
+                new = cls(linear.in_features, linear.out_features, bias=False, device="meta",
+                          kernel_preference=config.kernel_preference,
+                          scale_calculation_mode=config.scale_calculation_mode, wgrad_with_hp=config.wgrad_with_hp)
+                new.weight = linear.weight
+                new.bias = linear.bias
+                new.train(linear.training)
+                return new
+
             def forward(self, input: torch.Tensor) -> torch.Tensor:
                 weight, kind = self.weight, input.device.type
                 if torch.is_autocast_enabled(kind):
@@ -141,15 +150,6 @@ def resolve_kernel(kernel: str) -> str:
     return kernel
 
 
-def fake_quantize(weight: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
-    """MXFP8 quantize-dequantize along the last dimension (blocks of 32), back in ``weight``'s dtype."""
-    ao = _torchao()
-    mode = getattr(ao["ScaleCalculationMode"], rounding.upper())
-    w = weight.detach().contiguous()
-    scale, data = ao["to_mx"](w, ELEMENT_DTYPE, BLOCK_SIZE, mode)
-    return ao["to_dtype"](data, scale, ELEMENT_DTYPE, BLOCK_SIZE, w.dtype)
-
-
 def layer_recipe(module: nn.Module) -> MXRecipe | None:
     """The recipe of an MXFP8 linear layer (as converted by :func:`convert_linears`), else None."""
     ao = _torchao()
@@ -185,6 +185,7 @@ def convert_linears(model: nn.Module, recipe: MXRecipe, exclude: Iterable[str] =
     patterns = [re.compile(p) for p in exclude]
     config = torchao_config(recipe)
     report = {"converted": [], "excluded": [], "indivisible": []}
+    swaps = []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:  # plain linears only (LoRA wrappers keep their base_layer, converted)
             continue
@@ -196,11 +197,12 @@ def convert_linears(model: nn.Module, recipe: MXRecipe, exclude: Iterable[str] =
         if module.in_features % BLOCK_SIZE or module.out_features % BLOCK_SIZE:
             report["indivisible"].append(f"{name} ({module.out_features}×{module.in_features})")
             continue
-        module.__class__ = mxfp8_linear_class()
-        module.kernel_preference = config.kernel_preference
-        module.scale_calculation_mode = config.scale_calculation_mode
-        module.wgrad_with_hp = config.wgrad_with_hp
+        swaps.append((name, module))
         report["converted"].append(name)
+    cls = mxfp8_linear_class()
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, cls.from_linear(module, config))
     if report["indivisible"]:
         logger.warning("MXFP8: %d linear layer(s) keep high precision, their dimensions are not multiples of %d: "
                        "%s", len(report["indivisible"]), BLOCK_SIZE, ", ".join(report["indivisible"]))
@@ -216,19 +218,18 @@ def convert_linears(model: nn.Module, recipe: MXRecipe, exclude: Iterable[str] =
     return report
 
 
-def linear_recipes(model: nn.Module, prefix_strip: str = "") -> dict[str, dict]:
-    """Per-parameter recipe entries of every linear layer: MXFP8 ones and plain ones (``excluded``)."""
-    from ..sync.samplers import dense_recipe
+def layer_spec(module: nn.Module) -> numerics.TensorSpec | None:
+    """What an MXFP8 linear layer computes its weight with, as data; None for any other module."""
+    recipe = layer_recipe(module)
+    return recipe.spec(module.weight.dtype) if recipe is not None else None
 
+
+def linear_specs(model: nn.Module) -> dict[str, numerics.TensorSpec]:
+    """Per weight of every linear layer: its MXFP8 spec, or a dense spec marked ``excluded`` (kept high precision)."""
     out = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or _is_adapter(name):
             continue
-        name = name.removeprefix(prefix_strip)
-        recipe = layer_recipe(module)
-        dtype = module.weight.dtype
-        if recipe is not None:
-            out[f"{name}.weight"] = recipe.as_recipe(dtype)
-        else:
-            out[f"{name}.weight"] = {**dense_recipe(dtype), "excluded": True}
+        spec = layer_spec(module)
+        out[f"{name}.weight"] = spec if spec is not None else numerics.dense(module.weight.dtype, excluded=True)
     return out

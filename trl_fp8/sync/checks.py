@@ -6,7 +6,8 @@ returns a :class:`CheckResult`. A failed result names the check, the tensor or l
 
 Terms: *sent* tensors are what the sync streamed (learner names); a *sampler* exposes ``read(name)`` (the
 tensor it computes with, sliced out of fused layers), ``version()``, ``cached_blocks()``, ``recipe()`` and
-``alias_columns()`` (see :mod:`trl_fp8.sync.samplers`).
+``alias_reads()`` (see :mod:`trl_fp8.samplers`). A check with nothing to compare returns a result that is
+*not applicable* (``applicable=False``): neither a pass nor a failure.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ CHECKS = (
 # Cheap enough to leave on every step in production (the differential oracle reloads the weights several times).
 DEFAULT_CHECKS = tuple(c for c in CHECKS if c != "differential_oracle")
 RECIPE_FIELDS = ("dtype", "format", "block_size", "scale_dtype", "scale_rounding", "excluded", "kernel", "cast")
-LOGPROB_BAND_FACTOR = 3.0  # the mean gap may grow to this multiple of the calibrated mean gap ...
-LOGPROB_BAND_FLOOR = 0.01  # ... or this absolute floor, whichever is larger (per-token noise is real) ...
-LOGPROB_CALIBRATION = 3  # calibrated gap: the largest mean gap of the first evaluations (step 0 and the next ones)
-LOGPROB_MAX_RATIO = 1.05  # and exp(mean gap) may never exceed this
+# logprob agreement (see LogprobBand): the gap numerics explain is measured on every evaluated batch
+LOGPROB_BAND_FACTOR = 3.0  # the mean gap may be this multiple of the gap numerics alone explain ...
+LOGPROB_BAND_FLOOR = 0.01  # ... or this absolute floor, whichever is larger (per-token noise is real)
+LOGPROB_PERSISTENCE = 3  # an over-band gap fails on this many consecutive evaluations (one spike does not)
+LOGPROB_GROSS_FACTOR = 10.0  # a mean gap over max(log(LOGPROB_MAX_RATIO), this × band) fails at once ...
+LOGPROB_MAX_RATIO = 1.05  # ... (the gross ceiling never drops below exp(mean gap) = this)
+LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
+LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
 
 
 class WeightSyncError(RuntimeError):
@@ -47,6 +52,7 @@ class CheckResult:
     passed: bool
     message: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    applicable: bool = True  # False: the check had nothing to compare (``message`` says why)
 
 
 def resolve_checks(value) -> tuple[str, ...]:
@@ -86,7 +92,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # -- 1. recipe parity ---------------------------------------------------------------------------------------------
-def recipe_parity(learner: dict[str, dict], sampler: dict[str, dict]) -> CheckResult:
+def recipe_parity(learner: dict, sampler: dict) -> CheckResult:
     """Per-tensor recipe (dtype, quantization format, block, scale dtype and rounding, exclusion, kernel, the
     cast the sampler applies on load) equal on both sides."""
     problems = []
@@ -98,7 +104,7 @@ def recipe_parity(learner: dict[str, dict], sampler: dict[str, dict]) -> CheckRe
             problems.append(f"'{name}': served but not in the learner's recipe")
             continue
         for key in RECIPE_FIELDS:
-            lv, sv = learner[name].get(key), sampler[name].get(key)
+            lv, sv = getattr(learner[name], key), getattr(sampler[name], key)
             if lv != sv:
                 problems.append(f"'{name}': {key} learner={lv!r} sampler={sv!r}")
     if problems:
@@ -169,10 +175,12 @@ def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = 
     scales). Bitwise. ``sent``: pass the tensors a freshness check just verified, to skip names whose reference
     *is* the sent tensor (Fair Cast's export): comparing them again would prove nothing new.
     """
+    compared = 0
     for name in names:
         ref = reference(name)
         if sent is not None and sent.get(name) is ref:
             continue  # the learner's reference is the very tensor sent, and freshness compared it bitwise
+        compared += 1
         served = read(name)
         ref = ref.to(served.device)
         if ref.shape != served.shape or ref.dtype != served.dtype:
@@ -181,57 +189,117 @@ def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = 
         if not bitwise_equal(ref, served):
             return CheckResult("quant_parity", False, f"'{name}' differs from the learner's quantizer output: "
                                                       f"{_describe_diff(ref, served)}")
-    return CheckResult("quant_parity", True)
+    if not compared:
+        return CheckResult("quant_parity", True, "every served tensor is the very tensor freshness compared; no "
+                                                 "quantizer between them", applicable=False)
+    return CheckResult("quant_parity", True, metrics={"compared": compared})
 
 
 # -- 5. logprob agreement ---------------------------------------------------------------------------------------
 class LogprobBand:
-    """Calibrates the sampler/learner logprob gap on the first evaluations, then enforces the band.
+    """Sampler/learner logprob agreement, judged against the gap that numerics alone explain.
 
-    Every evaluation must keep exp(mean gap) ≤ ``max_ratio``; after calibration the mean gap must also stay
-    within ``max(factor × calibrated, floor)``.
+    ``gap`` is the mean |learner − sampler| logprob over the masked tokens. A healthy run's gap is not constant:
+    it grows as the policy sharpens (a bf16 sampler against an fp32 learner). So each evaluation gets its own
+    band, from ``numerics_logps``: the *learner's* logprobs of the same tokens computed at the sampler's precision
+    (the learner under autocast to the served dtype, on the same rows). ``explained`` = mean |learner − numerics|
+    is the gap precision alone produces on this very batch, and
+
+        band = max(factor × explained, floor)
+
+    Without ``numerics_logps`` (a sampler path that cannot provide them) the band falls back to
+    ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest gap that has passed so far
+    (every evaluation feeds it, numerics or not); it is enforced once ``calibration`` evaluations have fed it.
+    The fallback follows slow growth, so it catches a sudden, lasting jump of the gap (a stale or corrupted
+    sampler), not a fault that creeps in more slowly than the policy sharpens.
+
+    An evaluation is *over* when gap > band. The check fails after ``persistence`` consecutive over-evaluations
+    (a one-batch spike passes), and at once on a non-finite gap or a gross excess
+    ``gap > max(log(max_ratio), gross_factor × band)``.
     """
 
     def __init__(self, factor: float = LOGPROB_BAND_FACTOR, floor: float = LOGPROB_BAND_FLOOR,
-                 max_ratio: float = LOGPROB_MAX_RATIO, calibration: int = LOGPROB_CALIBRATION):
+                 persistence: int = LOGPROB_PERSISTENCE, gross_factor: float = LOGPROB_GROSS_FACTOR,
+                 max_ratio: float = LOGPROB_MAX_RATIO, calibration: int = LOGPROB_CALIBRATION,
+                 fallback_factor: float = LOGPROB_FALLBACK_FACTOR):
         self.factor, self.floor, self.max_ratio = factor, floor, max_ratio
+        self.persistence = max(1, int(persistence))
+        self.gross_factor, self.fallback_factor = gross_factor, fallback_factor
         self.calibration = max(1, int(calibration))
-        self.seen: list[float] = []
-        self.calibrated: float | None = None
+        self.reference: float | None = None  # the largest gap that passed (the fallback's reference)
+        self.evaluations = 0  # evaluations that fed the reference
+        self.over = 0  # consecutive over-band evaluations
 
-    @property
-    def limit(self) -> float:
-        assert self.calibrated is not None
-        return min(max(self.factor * self.calibrated, self.floor), math.log(self.max_ratio))
+    def band(self, explained: float | None) -> tuple[float | None, str]:
+        """(the band, how it was derived) for this evaluation; (None, why) while the fallback calibrates."""
+        if explained is not None:
+            scaled = self.factor * explained
+            if scaled >= self.floor:
+                return scaled, f"numerics explain {explained:.4g} × {self.factor:g}"
+            return self.floor, (f"floor {self.floor:g} (numerics explain {explained:.4g} × {self.factor:g} = "
+                                f"{scaled:.4g})")
+        if self.reference is None or self.evaluations < self.calibration:
+            return None, f"the floor {self.floor:g} (no numerics logprobs; fallback calibrating {self.evaluations}/" \
+                         f"{self.calibration})"
+        scaled = self.fallback_factor * self.reference
+        if scaled >= self.floor:
+            return scaled, (f"no numerics logprobs: largest passing gap {self.reference:.4g} × "
+                            f"{self.fallback_factor:g}")
+        return self.floor, (f"floor {self.floor:g} (no numerics logprobs: largest passing gap {self.reference:.4g} × "
+                            f"{self.fallback_factor:g} = {scaled:.4g})")
 
-    def check(self, learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
-              step: int) -> CheckResult:
-        mask = mask.bool()
-        gap = (learner_logps.float() - sampler_logps.float()).abs()[mask]
-        if gap.numel() == 0:
-            return CheckResult("logprob_agreement", True)
-        mean, worst = gap.mean().item(), gap.max().item()
-        metrics = {"logp_gap_mean": mean, "logp_gap_max": worst}
-        if not math.isfinite(mean):
-            return CheckResult("logprob_agreement", False, f"non-finite logprob gap at step {step}", metrics)
-        if mean > math.log(self.max_ratio):
+    def check(self, learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, step: int,
+              numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None) -> CheckResult:
+        """``numerics_mask``: the tokens ``numerics_logps`` cover (default ``mask``): the numerics reference may be
+        measured on a few rollouts of the batch while the gap covers all of them."""
+        name = "logprob_agreement"
+        learner = learner_logps.float()
+        mask = mask.bool().to(learner.device)
+        diff = (learner - sampler_logps.float().to(learner.device)).abs()[mask]
+        if diff.numel() == 0:
+            return CheckResult(name, True)
+        gap, worst = diff.mean().item(), diff.max().item()
+        metrics = {"logp_gap_mean": gap, "logp_gap_max": worst}
+        if not math.isfinite(gap):
+            self.over += 1
+            return CheckResult(name, False, f"non-finite mean |logπ_learner − logμ_sampler| ({gap}) at step {step}",
+                               metrics)
+        explained = None
+        if numerics_logps is not None:
+            covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device)
+            explained = (learner - numerics_logps.float().to(learner.device)).abs()[covered]
+            explained = explained.mean().item() if explained.numel() else float("nan")
+            if math.isfinite(explained):
+                metrics["logp_gap_numerics"] = explained
+            else:  # the learner's own low-precision forward overflowed: no explanation on this batch
+                explained = None
+        limit, derivation = self.band(explained)
+        used = self.floor if limit is None else limit  # while the fallback calibrates, only the gross rule runs
+        ceiling = max(math.log(self.max_ratio), self.gross_factor * used)
+        if limit is not None:
+            metrics["logp_gap_limit"] = limit
+        where = int(torch.argmax(diff))
+        said = (f"mean |logπ_learner − logμ_sampler| {gap:.4g} at step {step} (max gap {worst:.4g} at masked token "
+                f"{where})")
+        if gap > ceiling:
+            self.over += 1
             return CheckResult(
-                "logprob_agreement", False,
-                f"mean |logπ_learner − logμ_sampler| is {mean:.4g} at step {step} (max {worst:.4g}): exp(mean gap) "
-                f"= {math.exp(mean):.4f} > {self.max_ratio}", metrics)
-        if self.calibrated is None:
-            self.seen.append(mean)
-            if len(self.seen) >= self.calibration:
-                self.calibrated = max(self.seen)
-            return CheckResult("logprob_agreement", True, metrics=metrics)
-        if mean > self.limit:
-            where = int(torch.argmax(gap))
-            return CheckResult(
-                "logprob_agreement", False,
-                f"mean |logπ_learner − logμ_sampler| {mean:.4g} at step {step} exceeds the band {self.limit:.4g} "
-                f"(calibrated {self.calibrated:.4g} × {self.factor:g}, floor {self.floor:g}, exp(mean) ≤ "
-                f"{self.max_ratio}); max gap {worst:.4g} at masked token {where}", metrics)
-        return CheckResult("logprob_agreement", True, metrics=metrics)
+                name, False,
+                f"{said} exceeds the gross ceiling {ceiling:.4g} = max(log {self.max_ratio:g}, "
+                f"{self.gross_factor:g} × band {used:.4g}); band from {derivation}: fails at once (consecutive "
+                f"over-band evaluations: {self.over})", metrics)
+        if limit is not None and gap > limit:
+            self.over += 1
+            if self.over >= self.persistence:
+                return CheckResult(
+                    name, False,
+                    f"{said} exceeds the band {limit:.4g} ({derivation}) for {self.over} consecutive evaluations "
+                    f"(fails after {self.persistence})", metrics)
+            return CheckResult(name, True, metrics=metrics)
+        self.over = 0
+        self.reference = gap if self.reference is None else max(self.reference, gap)
+        self.evaluations += 1
+        return CheckResult(name, True, metrics=metrics)
 
 
 # -- 6. differential oracle -------------------------------------------------------------------------------------
@@ -245,8 +313,12 @@ def compare_states(label: str, expected: dict[str, torch.Tensor], actual: dict[s
 
 
 # -- 7. cache hygiene -------------------------------------------------------------------------------------------
-def cache_hygiene(step: int, reset_ok: bool | None, cached_blocks: int | None) -> CheckResult:
-    """After a sync the prefix/KV cache holds nothing computed with the old weights."""
+def cache_hygiene(step: int, reset_ok: bool | None, cached_blocks: int | None, observable: bool = True) -> CheckResult:
+    """After a sync the prefix/KV cache holds nothing computed with the old weights. A sampler whose cache cannot
+    be observed (``observable=False``, and no reset result) makes the check not applicable."""
+    if not observable and reset_ok is None and cached_blocks is None:
+        return CheckResult("cache_hygiene", True, "the sampler's prefix cache cannot be observed (a vLLM server's "
+                                                  "reset endpoint reports nothing)", applicable=False)
     if reset_ok is False:
         return CheckResult("cache_hygiene", False, f"the sampler refused to reset its prefix cache at step {step}")
     if cached_blocks:

@@ -7,6 +7,13 @@ Cadence (``interval`` = ``sync_check_interval``):
 - every ``interval``-th sync: ``coverage``, ``freshness``, ``quant_parity``, ``cache_hygiene``; every
   ``10 × interval``-th sync the oracle reloads the current weights (B twice == B);
 - every ``interval``-th step: ``logprob_agreement`` on the tokens just generated.
+
+Which checks a sampler can feed follows from what it declares (:mod:`trl_fp8.samplers`): a sampler whose tensors
+cannot be read back gets no ``freshness``, ``quant_parity`` or ``differential_oracle``; one without a prefix cache
+no ``cache_hygiene``. A check that had nothing to compare (e.g. ``quant_parity`` when every served tensor is the
+very tensor that ``freshness`` already compared, or a cache that cannot be observed) is *not applicable*: it is
+logged once and recorded as no pass. Metrics go to ``record(name, value)``: the trainer passes TRL's own
+per-mode metrics.
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from .. import numerics
+from ..samplers import Sampler, SyncLog
 from . import checks as C
-from .samplers import Sampler
 
 logger = logging.getLogger("trl_fp8.sync")
 ORACLE_EVERY = 10  # the oracle's reload re-runs every ORACLE_EVERY × interval syncs
@@ -27,54 +35,57 @@ ORACLE_EVERY = 10  # the oracle's reload re-runs every ORACLE_EVERY × interval 
 class LearnerSide:
     """What the learner means the sampler to serve.
 
-    ``exported()`` yields the tensors a sync streams (learner names); ``reference(name)`` is the learner's
-    quantizer applied to its weight, in the served dtype (what the sampler must compute with); ``recipe`` maps
-    each served name to its recipe (see :data:`checks.RECIPE_FIELDS`). ``refresh()``, when given, runs before
-    each round of checks (e.g. to look the learner's parameters up again).
+    ``exported()`` yields the tensors a sync streams (learner names); ``specs`` maps each served name to the
+    :class:`~trl_fp8.numerics.TensorSpec` the sampler must follow (contributed by the capabilities that own the
+    tensor). The learner's reference for a name — what the sampler must compute with — is the spec's quantizer
+    applied to the exported tensor; :meth:`update` streams the learner's tensors again before a round of checks
+    (a trainer may re-wrap or re-place its parameters after set-up).
     """
 
     def __init__(self, exported: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-                 reference: Callable[[str], torch.Tensor], recipe: dict[str, dict],
-                 refresh: Callable[[], None] | None = None):
+                 specs: dict[str, numerics.TensorSpec]):
         self.exported = exported
-        self.reference = reference
-        self.recipe = recipe
-        self.refresh = refresh or (lambda: None)
-        self.shapes = {n: tuple(t.shape) for n, t in exported()}
+        self.specs = specs
+        self._current: dict[str, torch.Tensor] = dict(exported())
+        self.shapes = {n: tuple(t.shape) for n, t in self._current.items()}
+
+    def update(self) -> None:
+        self._current = dict(self.exported())
+
+    def reference(self, name: str) -> torch.Tensor:
+        return numerics.quantize(self._current[name], self.specs[name])
 
 
-class SyncLog:
-    """What one sync streamed: counts, shapes, dtypes and (references to) the tensors, per learner name."""
-
-    def __init__(self):
-        self.counts: dict[str, int] = {}
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.reset_ok: bool | None = None
-
-    def tap(self, named: Iterable[tuple[str, torch.Tensor]]):
-        for name, tensor in named:
-            self.counts[name] = self.counts.get(name, 0) + 1
-            self.tensors[name] = tensor
-            yield name, tensor
+def supported_checks(sampler: Sampler) -> frozenset[str]:
+    """The checks a sampler can feed, from what it declares."""
+    out = set(C.CHECKS)
+    if not sampler.readable:
+        out -= {"freshness", "quant_parity", "differential_oracle"}
+    if not sampler.has_prefix_cache:
+        out.discard("cache_hygiene")
+    return frozenset(out)
 
 
 class SyncMonitor:
     def __init__(self, checks: Iterable[str], sampler: Sampler, learner: LearnerSide, interval: int = 1,
-                 action: str = "raise"):
+                 action: str = "raise", record: Callable[[str, float], None] | None = None):
         self.sampler = sampler
         self.learner = learner
         self.interval = max(1, int(interval))
         self.action = action
+        self.record = record or (lambda name, value: None)
         wanted = C.resolve_checks(checks) if isinstance(checks, str) else tuple(checks)
-        self.skipped = tuple(c for c in wanted if c not in sampler.supports)
-        self.checks = tuple(c for c in wanted if c in sampler.supports)
+        supported = supported_checks(sampler)
+        self.skipped = tuple(c for c in wanted if c not in supported)
+        self.checks = tuple(c for c in wanted if c in supported)
         if self.skipped:
             logger.info("weight-sync checks %s are not available with a %s sampler; running %s",
                         ", ".join(self.skipped), sampler.kind, ", ".join(self.checks) or "none")
         self.band = C.LogprobBand()
         self.syncs = 0
         self.steps = 0
-        self.pending: dict[str, list[float]] = {}
+        self.compared: dict[str, int] = {}  # check -> evaluations that compared something
+        self.not_applicable: dict[str, str] = {}  # check -> why it had nothing to compare (first reason)
         self.failures: list[C.CheckResult] = []
 
     def enabled(self, check: str) -> bool:
@@ -82,21 +93,22 @@ class SyncMonitor:
 
     # -- reporting ----------------------------------------------------------------------------------------------
     def report(self, result: C.CheckResult) -> None:
-        self.pending.setdefault(f"sync/{result.check}", []).append(1.0 if result.passed else 0.0)
+        if not result.applicable:  # nothing was compared: neither a pass nor a failure
+            if result.check not in self.not_applicable:
+                self.not_applicable[result.check] = result.message
+                logger.info("weight-sync check %s: not applicable (%s)", result.check, result.message)
+            return
+        self.compared[result.check] = self.compared.get(result.check, 0) + 1
+        self.record(f"sync/{result.check}", 1.0 if result.passed else 0.0)
         for key, value in result.metrics.items():
             if key.startswith("logp_gap"):
-                self.pending.setdefault(f"sync/{key}", []).append(float(value))
+                self.record(f"sync/{key}", float(value))
         if result.passed:
             return
         self.failures.append(result)
         if self.action == "raise":
             raise C.WeightSyncError(result.check, result.message)
         warnings.warn(f"[{result.check}] {result.message}", C.WeightSyncWarning, stacklevel=3)
-
-    def pop_metrics(self) -> dict[str, float]:
-        out = {k: sum(v) / len(v) for k, v in self.pending.items() if v}
-        self.pending.clear()
-        return out
 
     # -- around a sync ------------------------------------------------------------------------------------------
     def _state(self, sampler: Sampler, step: int) -> dict[str, torch.Tensor]:
@@ -142,11 +154,12 @@ class SyncMonitor:
         due = (self.syncs - 1) % self.interval == 0
         manifest = s.manifest() if (first or due) and self.checks else {}
         if first and self.enabled("recipe_parity"):
-            sampler_recipe = s.recipe()
-            for name, entry in sampler_recipe.items():  # the cast the sampler's load applied (copy_: RTN)
+            sampler_recipe = {}
+            for name, spec in s.recipe().items():  # the cast the sampler's load applied (copy_: RTN)
                 sent = log.tensors.get(name)
-                entry["cast"] = "none" if sent is None or sent.dtype == manifest[name][1] else "rtn"
-            self.report(C.recipe_parity(self.learner.recipe, sampler_recipe))
+                sampler_recipe[name] = spec.with_(
+                    cast="none" if sent is None or sent.dtype == manifest[name][1] else "rtn")
+            self.report(C.recipe_parity(self.learner.specs, sampler_recipe))
         if not due:
             return
         if self.enabled("coverage"):
@@ -160,11 +173,11 @@ class SyncMonitor:
             self.report(result)
             verified = sent if result.passed else None
         if self.enabled("quant_parity"):
-            self.learner.refresh()
+            self.learner.update()
             self.report(C.quant_parity([n for n in self.learner.shapes if n in manifest], self.learner.reference,
                                        s.read_effective, verified))
         if self.enabled("cache_hygiene"):
-            self.report(C.cache_hygiene(step, log.reset_ok, s.cached_blocks()))
+            self.report(C.cache_hygiene(step, log.reset_ok, s.cached_blocks(), s.cache_observable))
         if self.enabled("differential_oracle") and not first and (self.syncs - 1) % (ORACLE_EVERY * self.interval) == 0:
             before = self._state(s, step)
             s.load((n, t) for n, t in log.tensors.items() if n in manifest)
@@ -179,5 +192,15 @@ class SyncMonitor:
         self.steps += 1
         return due
 
-    def after_generation(self, step: int, learner_logps, sampler_logps, mask) -> None:
-        self.report(self.band.check(learner_logps, sampler_logps, mask, step))
+    def after_generation(self, step: int, learner_logps, sampler_logps, mask, numerics_logps=None,
+                         numerics_mask=None) -> None:
+        """``numerics_logps``: the learner's logprobs of the same tokens at the sampler's precision (the gap that
+        numerics alone explain, see :class:`~trl_fp8.sync.checks.LogprobBand`), on ``numerics_mask`` (default
+        ``mask``)."""
+        self.report(self.band.check(learner_logps, sampler_logps, mask, step, numerics_logps=numerics_logps,
+                                    numerics_mask=numerics_mask))
+
+    def summary(self) -> dict:
+        """What ran: per check, the evaluations that compared something, and the checks that never could."""
+        return {"compared": dict(self.compared), "not_applicable": dict(self.not_applicable),
+                "failed": [f"[{r.check}] {r.message}" for r in self.failures]}

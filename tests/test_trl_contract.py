@@ -1,0 +1,112 @@
+"""The contract with TRL: every private TRL name trl_fp8 relies on (listed in ``trl_fp8._trl``) is still there, with
+the same signature, and every TRL code block whose internals we depend on is unchanged. A TRL upgrade that moves
+any of them fails here with the list of what moved — not later, silently, in a training run."""
+
+import inspect
+
+import pytest
+from trl import GRPOTrainer as TRLGRPOTrainer
+
+import trl_fp8
+from trl_fp8 import _trl
+
+# sha256[:16] of the source of each block in _trl.MIRRORED, as of the tested TRL (see _trl.TESTED_TRL).
+FINGERPRINTS = {
+    "trl.trainer.grpo_trainer.GRPOTrainer._generate_single_turn": "8d066ab0cfcce8fa",
+    "trl.trainer.grpo_trainer.GRPOTrainer._compute_loss": "46299536a65d11c4",
+    "trl.trainer.grpo_trainer.GRPOTrainer.log": "109598e7cb234198",
+    "trl.trainer.utils.add_fused_lm_head": "c309684c7d7599a8",
+    "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": "2d382cc98ed2cf89",
+    "trl.generation.vllm_generation.VLLMGeneration.sync_weights": "853d90c2502df41c",
+}
+# Other TRL callables trl_fp8 calls, with the parameters it passes.
+CALLED = {
+    "trl.trainer.utils.add_fused_lm_head": ("model", "temperature", "cast_lm_head_to_fp32", "outputs"),
+    "trl.generation.vllm_generation.VLLMGeneration._fix_param_name_to_vllm": ("self", "name"),
+    "trl.generation.vllm_generation.VLLMGeneration.sync_weights": ("self",),
+    "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": ("self",),
+}
+
+
+def test_the_installed_trl_is_in_the_tested_range():
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    import trl
+
+    assert Version(trl.__version__) in SpecifierSet(_trl.TESTED_TRL), (trl.__version__, _trl.TESTED_TRL)
+
+
+def test_overridden_methods_keep_their_signatures():
+    moved = []
+    for name, expected in _trl.OVERRIDDEN.items():
+        method = getattr(TRLGRPOTrainer, name, None)
+        if method is None:
+            moved.append(f"{name}: gone from trl.GRPOTrainer")
+            continue
+        params = tuple(inspect.signature(method).parameters)
+        if params != expected:
+            moved.append(f"{name}: {params} (expected {expected})")
+    assert not moved, "TRL methods trl_fp8 overrides changed:\n" + "\n".join(moved)
+
+
+def test_we_override_only_what_the_contract_lists():
+    ours = {name for name, value in vars(trl_fp8.GRPOTrainer).items()
+            if callable(value) and hasattr(TRLGRPOTrainer, name) and not name.startswith("__")}
+    assert ours == set(_trl.OVERRIDDEN), sorted(ours ^ set(_trl.OVERRIDDEN))
+
+
+def test_called_trl_functions_keep_their_parameters():
+    moved = []
+    for qualname, expected in CALLED.items():
+        params = tuple(inspect.signature(_trl.resolve(qualname)).parameters)
+        missing = [p for p in expected if p not in params]
+        if missing:
+            moved.append(f"{qualname}: no parameter(s) {missing} in {params}")
+    assert not moved, "\n".join(moved)
+
+
+def test_mirrored_trl_code_is_unchanged():
+    assert set(FINGERPRINTS) == set(_trl.MIRRORED)
+    moved = [f"{qualname}: fingerprint {_trl.fingerprint(qualname)} (pinned {pinned}) — we rely on: "
+             f"{_trl.MIRRORED[qualname]}" for qualname, pinned in FINGERPRINTS.items()
+             if _trl.fingerprint(qualname) != pinned]
+    assert not moved, ("TRL code whose internals trl_fp8 depends on changed; re-read it, adapt trl_fp8/_trl.py, then "
+                       "re-pin:\n" + "\n".join(moved))
+
+
+def test_a_constructed_trainer_has_every_attribute_we_read(tmp_path, demo_dir):
+    from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+
+    args = trl_fp8.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1,
+                              per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
+    trainer = trl_fp8.GRPOTrainer(model=demo_dir, reward_funcs=[correctness_reward], args=args,
+                                  train_dataset=make_arithmetic_dataset(8, seed=0))
+    missing = [a for a in _trl.TRAINER_ATTRIBUTES if not hasattr(trainer, a)]
+    assert not missing, f"TRL no longer sets {missing}"
+    assert set(trainer._metrics) == {"train", "eval"} and trainer._metrics["train"]["x"] == []  # defaultdict(list)
+    assert isinstance(_trl.num_beams(trainer), int)
+
+
+def test_vllm_attributes_are_still_set_by_trl():
+    # read from TRL's source: building a vLLM engine needs the vllm environment (tests/sync/test_vllm_engine.py)
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    sources = {"GRPOTrainer": inspect.getsource(TRLGRPOTrainer.__init__),
+               "VLLMGeneration": inspect.getsource(VLLMGeneration)}
+    missing = [f"{owner}.{attr}" for owner, attrs in _trl.VLLM_ATTRIBUTES.items() for attr in attrs
+               if f"self.{attr} =" not in sources[owner]]
+    assert not missing, f"TRL no longer sets {missing}"
+
+
+def test_patched_module_globals_exist():
+    vllm = pytest.importorskip("vllm")
+    assert vllm
+    moved = []
+    for qualname in _trl.PATCHED_GLOBALS:
+        module, _, attr = qualname.rpartition(".")
+        try:
+            _trl.resolve(qualname)
+        except (ImportError, AttributeError):
+            moved.append(f"{module} has no {attr}")
+    assert not moved, moved

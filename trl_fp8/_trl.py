@@ -1,0 +1,327 @@
+"""Every TRL-, transformers- and vLLM-private name trl_fp8 touches, in one place.
+
+Nothing else in trl_fp8 reaches into a private method, an undocumented attribute or a module global of TRL or
+vLLM: it calls a function here. ``tests/test_trl_contract.py`` pins what this module relies on — the signatures of
+the TRL methods trl_fp8 overrides or calls, the trainer attributes it reads, and a fingerprint (hash of the
+source) of each TRL code block whose *internals* it depends on — so a TRL upgrade fails with the list of what
+moved instead of a silent change. Tested with the TRL range in :data:`TESTED_TRL`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from trl import GRPOTrainer as TRLGRPOTrainer
+
+TESTED_TRL = ">=1.16,<1.17"
+
+# trl.GRPOTrainer methods trl_fp8.GRPOTrainer overrides (each calls TRL's own), with TRL's parameter names.
+OVERRIDDEN = {
+    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations",
+                              "has_tool_images"),
+    "_generate_and_score_completions": ("self", "inputs"),
+    "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
+    "_compute_loss": ("self", "model", "inputs"),
+    "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
+                                           "batch_size", "compute_entropy", "compute_aux_loss", "pixel_values",
+                                           "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                                           "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
+                                           "image_position_ids"),
+    "_save_checkpoint": ("self", "model", "trial"),
+    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    "end": ("self",),  # transformers' Trainer.end (public): a colocated vLLM engine is shut down first
+}
+# Private attributes and methods of a constructed trl.GRPOTrainer that trl_fp8 reads or calls.
+TRAINER_ATTRIBUTES = (
+    "_metrics", "_tokenizer", "model_wrapped", "use_vllm", "vllm_mode",
+    "use_transformers_continuous_batching", "temperature", "num_generations", "max_completion_length",
+    "eos_token_ids", "pad_to_multiple_of", "generation_config", "generation_kwargs", "tools", "rollout_func",
+    "environment_factories", "ref_model", "is_deepspeed_enabled", "is_fsdp_enabled", "compute_loss_context_manager",
+    "_get_output_dir",
+)
+# ... and those set only with use_vllm=True (on the trainer, then on its VLLMGeneration).
+VLLM_ATTRIBUTES = {"GRPOTrainer": ("vllm_generation",), "VLLMGeneration": ("mode", "llm", "vllm_client", "accelerator")}
+# TRL code whose internals trl_fp8 depends on (not just its signature) -> why. The contract test hashes each.
+MIRRORED = {
+    "trl.trainer.grpo_trainer.GRPOTrainer._generate_single_turn":
+        "generation runs model_wrapped.generate(**inputs, generation_config=...) through "
+        "unwrap_model_for_generation: the swapped model and the injected processors/criteria reach it",
+    "trl.trainer.grpo_trainer.GRPOTrainer._compute_loss":
+        "its first _get_per_token_logps_and_entropies call is the policy's forward on the batch",
+    "trl.trainer.grpo_trainer.GRPOTrainer.log": "averages and clears self._metrics[mode] (our metrics sink)",
+    "trl.trainer.utils.add_fused_lm_head": "patches forward with a closure over the original bound forward",
+    "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": "the stream a sync sends (names, tensors)",
+    "trl.generation.vllm_generation.VLLMGeneration.sync_weights":
+        "streams _iter_named_params() into load_weights / the client, then resets the prefix cache",
+}
+# Module globals of other packages that trl_fp8 patches (only inside plain_cpu_linears, restored after).
+PATCHED_GLOBALS = (
+    "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",
+    "trl.generation.vllm_generation.LLM",
+)
+
+
+# -- the trainer --------------------------------------------------------------------------------------------------
+def record_metric(trainer, name: str, value: float) -> None:
+    """Record into TRL's own per-mode metrics: ``GRPOTrainer.log`` averages them per logging step and sends them
+    to every tracker (W&B, trackio, TensorBoard) and ``log_history``."""
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode][name].append(float(value))
+
+
+def trl_generate(trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """TRL's own ``_generate_single_turn`` (bypassing trl_fp8's override)."""
+    return TRLGRPOTrainer._generate_single_turn(trainer, prompt_ids, images, multimodal_fields, num_generations,
+                                                has_tool_images)
+
+
+def policy_logps(trainer, model, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+    """Per-token logprobs of the completion tokens under ``model``, computed as TRL computes the loss's."""
+    return TRLGRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, attention_mask,
+                                                            logits_to_keep)[0]
+
+
+def num_beams(trainer) -> int:
+    return int(getattr(trainer.generation_config, "num_beams", 1) or 1)
+
+
+@contextlib.contextmanager
+def generating_with(trainer, model=None, logits_processors=(), stopping_criteria=()):
+    """Within TRL's transformers generation path: generate with ``model`` instead of the learner (when given), and
+    pass extra logits processors / stopping criteria to its ``generate`` call (TRL offers no hook for either)."""
+    learner = trainer.model_wrapped
+    if model is not None:
+        trainer.model_wrapped = model
+    target = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    extra = {}
+    if logits_processors:
+        from transformers import LogitsProcessorList
+
+        extra["logits_processor"] = LogitsProcessorList(list(logits_processors))
+    if stopping_criteria:
+        from transformers import StoppingCriteriaList
+
+        extra["stopping_criteria"] = StoppingCriteriaList(list(stopping_criteria))
+    if extra:
+        target.generate = functools.partial(type(target).generate, target, **extra)
+    try:
+        yield target
+    finally:
+        trainer.model_wrapped = learner
+        if extra:
+            vars(target).pop("generate", None)
+
+
+def repatch_fused_head(trainer, twin: torch.nn.Module) -> None:
+    """Give a deep copy of the policy its own forward.
+
+    TRL 1.16 patches the policy's ``forward`` (``add_fused_lm_head``) with a closure over the *original* bound
+    forward. ``copy.deepcopy`` rebinds the method but not the closure, so the copy's forward would run the learner
+    (its fp32 weights and, under gradient checkpointing in train mode, no KV cache: garbage generations). Drop the
+    copied patch and apply TRL's patch to the copy itself.
+    """
+    from trl.trainer.utils import add_fused_lm_head
+
+    if "forward" in vars(twin):
+        del twin.forward
+        add_fused_lm_head(twin, temperature=trainer.temperature, cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32,
+                          outputs=("log_probs", "entropy"))
+
+
+# -- TRL's vLLM generation ----------------------------------------------------------------------------------------
+def trl_vllm_stream(generation):
+    """TRL's own sync stream ``(vLLM name, tensor)`` of the learner's parameters (PEFT merged, names fixed)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    return VLLMGeneration._iter_named_params(generation)
+
+
+def vllm_name(generation, name: str) -> str:
+    """A learner parameter name as TRL's sync names it for vLLM."""
+    return generation._fix_param_name_to_vllm(name)
+
+
+def set_vllm_stream(generation, stream) -> None:
+    """Make TRL's ``sync_weights`` stream ``stream()`` (an iterable of ``(vLLM name, tensor)``) on this instance."""
+    generation._iter_named_params = stream
+
+
+def wrap_vllm_sync(generation, around) -> None:
+    """Wrap TRL's ``sync_weights`` on this instance: ``around(run)`` is called for each sync, and ``run(tap)`` runs
+    TRL's sync with its stream passed through ``tap`` (an iterable -> iterable)."""
+    original = generation.sync_weights
+
+    def run(tap):
+        had_override = "_iter_named_params" in vars(generation)
+        stream = generation._iter_named_params
+        generation._iter_named_params = lambda: tap(stream())
+        try:
+            original()
+        finally:
+            if had_override:
+                generation._iter_named_params = stream
+            else:
+                del generation._iter_named_params
+
+    generation.sync_weights = lambda: around(run)
+
+
+def vllm_engine_dtype(generation) -> str | None:
+    """The dtype name a TRL vLLM engine computes in (colocate: its model config; server: its info endpoint, read
+    on the main process), or None where it cannot be read."""
+    from .numerics import dtype_name
+
+    if generation.mode == "colocate":
+        config = getattr(getattr(generation.llm, "llm_engine", None), "model_config", None)
+        return dtype_name(config.dtype) if config is not None else None
+    if generation.accelerator.is_main_process:
+        return dtype_name(generation.vllm_client.get_server_info()["model_config"]["dtype"])
+    return None
+
+
+# -- vLLM engine internals (colocate) -----------------------------------------------------------------------------
+def vllm_model(llm) -> torch.nn.Module:
+    """The torch model inside a colocated ``vllm.LLM`` (where TRL's colocate sync loads weights)."""
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+def vllm_cached_blocks(llm) -> int | None:
+    """Prefix-cache blocks a colocated engine holds, or None where this engine layout does not expose them."""
+    try:
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        return len(pool.cached_block_hash_to_block._cache)
+    except AttributeError:
+        return None
+
+
+@contextlib.contextmanager
+def plain_cpu_linears(enforce_eager: bool = True):
+    """While active, vLLM-CPU engines built in this process keep plain linear weights (and, by default, skip
+    torch.compile: ``enforce_eager=True`` starts a small engine in ~3 s instead of ~18 s).
+
+    TRL 1.16 syncs colocate weights with ``model.load_weights([(name, tensor)])``. On vLLM-CPU this raises halfway
+    (``'Parameter' object has no attribute 'weight_loader'``): after loading, vLLM-CPU repacks every linear weight
+    into a oneDNN handle and deletes the parameter, and the tied ``lm_head`` computes with a packed copy of the
+    embedding taken at load time. Here the linear layers compute with their live parameters
+    (``torch.nn.functional.linear``) so TRL's own sync writes exactly what the engine computes with.
+    """
+    import trl.generation.vllm_generation as trl_vllm
+    import vllm.model_executor.layers.utils as layer_utils
+
+    def plain(layer, remove_weight):  # the vLLM-CPU fallback kernel, chosen for every dense layer
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    original_dispatch, original_llm = layer_utils.dispatch_cpu_unquantized_gemm, trl_vllm.LLM
+
+    def llm(*args, **kwargs):
+        if enforce_eager:
+            kwargs.setdefault("enforce_eager", True)
+        return original_llm(*args, **kwargs)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = plain
+    trl_vllm.LLM = llm
+    try:
+        yield
+    finally:
+        layer_utils.dispatch_cpu_unquantized_gemm = original_dispatch
+        trl_vllm.LLM = original_llm
+
+
+def vllm_platform_is_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def engine_context(args):
+    """The context TRL's vLLM engine must be built in: plain linears on a vLLM-CPU colocate engine."""
+    if args is None or not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "colocate":
+        return contextlib.nullcontext()
+    return plain_cpu_linears() if vllm_platform_is_cpu() else contextlib.nullcontext()
+
+
+# -- shutting a colocated engine down -----------------------------------------------------------------------------
+# Shut a colocated vLLM engine down while the process group it was built on still exists.
+#
+# In colocate mode TRL builds ``vllm.LLM(..., distributed_executor_backend="external_launcher")`` in the training
+# process. vLLM then holds its own process groups (tensor/pipeline/data-parallel ``GroupCoordinator``s, sub-groups
+# of torch.distributed's default group) and registers ``weakref.finalize(client, engine_core.shutdown)`` on its
+# in-process engine client. That finalizer runs at interpreter exit and tears the groups down
+# (``cleanup_dist_env_and_memory`` -> ``destroy_model_parallel`` -> ``torch.distributed.destroy_process_group(group)``).
+#
+# When the script has already destroyed the default group (``Trainer.end()`` -> ``Accelerator.end_training()`` ->
+# ``torch.distributed.destroy_process_group()``, which drops every sub-group from torch's registry), the finalizer
+# asks torch to destroy groups that no longer exist and prints ``ValueError: Invalid process group specified``.
+#
+# :func:`shutdown_vllm` runs vLLM's own shutdown at a chosen point instead, before the default group goes: the
+# finalizer is detached, vLLM destroys its groups and then (as it always does) the default group; a later
+# ``Trainer.end()`` finds nothing left to destroy. Call it after the last collective of the run (training,
+# saving, pushing), just before ``trainer.end()``.
+
+
+def _engine_client(llm):
+    engine = getattr(llm, "llm_engine", None)
+    client = getattr(engine, "engine_core", None)  # vLLM v1: InprocClient / SyncMPClient
+    return client if callable(getattr(client, "shutdown", None)) else None
+
+
+def shutdown_vllm(llm) -> bool:
+    """Shut the engine of ``llm`` (a ``vllm.LLM``, e.g. ``trainer.vllm_generation.llm``) down, once.
+
+    Returns True when this call shut an engine down, False when there was nothing to do: ``llm`` is None
+    (vLLM not used or not installed), the engine was shut down already, or the object has no vLLM v1 engine
+    client. Idempotent. Errors of vLLM's own shutdown are not swallowed.
+    """
+    if llm is None or getattr(llm, "_trl_fp8_shut_down", False):
+        return False
+    client = _engine_client(llm)
+    if client is None:
+        return False
+    # The engine client's shutdown detaches its exit finalizer first, so vLLM does not repeat it at exit.
+    client.shutdown()
+    try:
+        llm._trl_fp8_shut_down = True
+    except AttributeError:  # an object with __slots__: the client's detached finalizer still makes it a no-op
+        pass
+    return True
+
+
+def shutdown_trainer_vllm(trainer) -> bool:
+    """:func:`shutdown_vllm` for a trainer's colocated engine (TRL keeps it at ``trainer.vllm_generation.llm``).
+
+    Server mode is left alone: its engine lives in the ``trl vllm-serve`` process.
+    """
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None or getattr(generation, "mode", None) != "colocate":
+        return False
+    return shutdown_vllm(getattr(generation, "llm", None))
+
+# -- the contract -------------------------------------------------------------------------------------------------
+def resolve(qualname: str):
+    """The object a dotted name refers to (module path, then attributes)."""
+    import importlib
+
+    parts = qualname.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"cannot import any prefix of {qualname!r}")
+
+
+def fingerprint(qualname: str) -> str:
+    """A short hash of the source of a function or method (trailing whitespace ignored)."""
+    import hashlib
+    import inspect
+
+    source = inspect.getsource(resolve(qualname))
+    normalised = "\n".join(line.rstrip() for line in source.splitlines())
+    return hashlib.sha256(normalised.encode()).hexdigest()[:16]

@@ -1,0 +1,97 @@
+"""The lifecycle every trl_fp8 capability follows, and the hooks the trainer calls at fixed points.
+
+A capability is one object in its own package (Fair Cast, MXFP8, the weight-sync checks, DUET, ...) that owns its
+state and its touch points. :class:`trl_fp8.GRPOTrainer` holds the ordered list of those a run asks for and calls
+them; every hook has a do-nothing default, so a capability implements only what it contributes:
+
+- config: ``Args`` (a dataclass mixin of its ``GRPOConfig`` fields) and ``validate(args)`` (config time: a
+  ``ValueError`` naming the field and what is allowed); ``wanted(args)``: whether a run asks for it;
+- ``setup(trainer)``: once, in list order, after TRL's own ``__init__``; returns False when, on this run, the
+  capability has nothing to do (it is then dropped, having said why);
+- generation (the in-process path): ``generating(trainer)`` (a context around each generation call),
+  ``logits_processors(trainer)`` / ``after_generation(trainer, completion_ids)``;
+- batch and loss: ``adjust_rewards(trainer, rewards)``, ``adjust_batch(trainer, output)``,
+  ``on_policy_logps(trainer, inputs, logps)`` (the loss forward's per-token logprobs);
+- tensors: ``describe(model)`` (the :class:`~trl_fp8.numerics.TensorSpec` of each tensor it changes the numerics
+  of, read from the modules);
+- checkpoints: ``state_dict()`` / ``load_state_dict(state)``, stored in the checkpoint as ``state_file``;
+- metrics: recorded with :func:`trl_fp8._trl.record_metric` into TRL's own per-mode metrics.
+
+Where two capabilities must compose (DUET replaces the generation path; Fair Cast swaps the model it runs; the
+checks observe Fair Cast's sync), the order is written once, in the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def check_choice(field_name: str, value, allowed) -> None:
+    """Raise a ``ValueError`` naming ``field_name`` and the allowed values unless ``value`` is one of them."""
+    if value not in allowed:
+        allowed_text = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{field_name}={value!r} is not valid; allowed values: {allowed_text}.")
+
+
+def check_int(field_name: str, value, minimum: int, allow_none: bool = False) -> None:
+    """Raise a ``ValueError`` naming ``field_name`` unless ``value`` is an integer >= ``minimum`` (or None)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        extra = " or None" if allow_none else ""
+        raise ValueError(f"{field_name} must be an integer >= {minimum}{extra}, got {value!r}.")
+
+
+def check_fraction(field_name: str, value) -> None:
+    """Raise a ``ValueError`` naming ``field_name`` unless ``0 < value <= 1``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{field_name} must be in (0, 1], got {value!r}.")
+
+
+class Capability:
+    name: str = ""
+    Args: type | None = None  # the GRPOConfig fields of this capability (a dataclass mixin)
+    state_file: str | None = None  # file in a checkpoint folder holding state_dict(), if it has state
+
+    @classmethod
+    def wanted(cls, args) -> bool:
+        return False
+
+    @staticmethod
+    def validate(args) -> None:
+        """Config-time validation of this capability's fields (and its combinations with TRL's)."""
+
+    def setup(self, trainer) -> bool:
+        return True
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def generating(self, trainer):
+        return contextlib.nullcontext()
+
+    def logits_processors(self, trainer) -> list:
+        return []
+
+    def after_generation(self, trainer, completion_ids) -> None:
+        pass
+
+    # -- batch and loss ------------------------------------------------------------------------------------------
+    def adjust_rewards(self, trainer, rewards: torch.Tensor) -> torch.Tensor:
+        return rewards
+
+    def adjust_batch(self, trainer, output: dict) -> dict:
+        return output
+
+    def on_policy_logps(self, trainer, inputs: dict, logps: torch.Tensor) -> None:
+        pass
+
+    # -- tensors and state ---------------------------------------------------------------------------------------
+    def describe(self, model: torch.nn.Module) -> dict:
+        return {}
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

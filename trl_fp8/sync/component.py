@@ -1,0 +1,218 @@
+"""The weight-sync checks as a trainer capability: config fields, the sampler and learner sides, the checks around
+every sync (Fair Cast's in-process sync, or TRL's vLLM sync), and the logprob-agreement state machine.
+
+The logprob check compares, on the tokens just generated, the learner's logprobs (π), the sampler's (μ) and the
+learner's at the sampler's precision (the gap numerics alone explain, measured on the same batch):
+
+- vLLM: μ comes with the rollouts and TRL computes π (``old_per_token_logps``);
+- the in-process twin: a logits processor records μ during ``generate`` (:class:`~trl_fp8.sync.logprobs.
+  SampledLogprobTap`), μ travels with the batch, and π comes from the first loss forward after the generation;
+- otherwise (DUET's sampler, tools, beam search): the twin and the learner re-score a few rollouts.
+The gap covers every rollout compared (the whole generation batch with vLLM, as TRL's
+``sampling/sampling_logp_difference`` does; the first micro-batch in-process); the numerics reference is one
+no-grad forward of the learner under autocast to the served dtype on at most :data:`LOGPROB_CHECK_ROWS` of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _trl, numerics
+from ..components import Capability, check_choice, check_int
+from ..samplers import SyncLog, VLLMColocateSampler, VLLMServerSampler
+from .checks import resolve_checks
+from .logprobs import SampledLogprobTap
+from .monitor import LearnerSide, SyncMonitor
+
+logger = logging.getLogger("trl_fp8.sync")
+SYNC_CHECK_ACTIONS = ("raise", "warn")
+LOGPROB_CHECK_ROWS = 4  # rollouts the numerics reference (and a re-scoring) runs on
+SAMPLER_LOGPS_KEY = "trl_fp8_sampler_logps"  # the in-process twin's per-token logprobs, carried with the batch
+
+
+@dataclass
+class SyncChecksArgs:
+    sync_checks: str = field(
+        default="default",
+        metadata={"help": "trl_fp8: weight-sync checks to run: 'default', 'all', 'off' or check names (a list, or "
+                  "comma-separated on the command line: recipe_parity, coverage, freshness, quant_parity, "
+                  "logprob_agreement, differential_oracle, cache_hygiene)."},
+    )
+    sync_check_interval: int = field(
+        default=1, metadata={"help": "trl_fp8: run the weight-sync checks every N syncs / generations (>= 1)."}
+    )
+    sync_check_action: str = field(
+        default="raise",
+        metadata={"help": "trl_fp8: on a failed weight-sync check, 'raise' a WeightSyncError or 'warn'.",
+                  "choices": list(SYNC_CHECK_ACTIONS)},
+    )
+
+    def resolved_sync_checks(self) -> tuple[str, ...]:
+        return resolve_checks(self.sync_checks)
+
+
+def _active_rows(mask: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(mask.sum(1) > 0).flatten()[:LOGPROB_CHECK_ROWS]
+
+
+class SyncChecks(Capability):
+    name = "sync_checks"
+    Args = SyncChecksArgs
+
+    @classmethod
+    def wanted(cls, args) -> bool:
+        return bool(resolve_checks(getattr(args, "sync_checks", "off")))
+
+    @staticmethod
+    def validate(args) -> None:
+        value = args.sync_checks
+        if isinstance(value, (list, tuple)) and len(value) == 1 and value[0] in ("default", "all", "off"):
+            args.sync_checks = value = value[0]  # a one-item list from the command line
+        if not isinstance(value, (str, list, tuple)):
+            raise ValueError(f"sync_checks must be 'default', 'all', 'off' or a list of check names, got {value!r}.")
+        resolve_checks(value)  # ValueError naming the unknown check(s) and the known ones
+        check_int("sync_check_interval", args.sync_check_interval, 1)
+        check_choice("sync_check_action", args.sync_check_action, SYNC_CHECK_ACTIONS)
+
+    def setup(self, trainer) -> bool:
+        args = trainer.args
+        checks = resolve_checks(args.sync_checks)
+        serving = trainer.serving()
+        if not trainer.use_vllm and (serving is None or serving.sampler is None):
+            logger.info("weight-sync checks: the in-process sampler is the learner itself; nothing to check.")
+            return False
+        if trainer.accelerator.num_processes > 1 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            logger.warning("weight-sync checks run on a single process without DeepSpeed/FSDP for now; they are off "
+                           "for this run (sync_checks=%r).", args.sync_checks)
+            return False
+        self.trainer = trainer
+        learner = self._learner_side(trainer, serving)
+        if not trainer.use_vllm:
+            sampler = serving.sampler
+        elif trainer.vllm_mode == "colocate":
+            sampler = VLLMColocateSampler(trainer.vllm_generation.llm, learner.shapes)
+        else:
+            sampler = VLLMServerSampler(trainer.vllm_generation.vllm_client, learner.shapes)
+        self.monitor = SyncMonitor(checks, sampler, learner, args.sync_check_interval, args.sync_check_action,
+                                   record=lambda name, value: _trl.record_metric(trainer, name, value))
+        self.numerics_dtype = serving.dtype if serving is not None else (
+            torch.float16 if args.fp16 else torch.bfloat16)
+        self._tap = None
+        self._sampler_logps = None
+        self._pending = False  # a logprob check waits for the next loss forward
+        if trainer.use_vllm:
+            _trl.wrap_vllm_sync(trainer.vllm_generation, self._around_vllm_sync)
+        return True
+
+    @staticmethod
+    def _learner_side(trainer, serving) -> LearnerSide:
+        """What the learner means the sampler to serve: a capability's export (e.g. Fair Cast's served copy, sent
+        in its dtype as it is), or TRL's own stream of the learner's parameters (cast by the engine's load)."""
+        if serving is not None:
+            stream = serving.stream
+            base = {n: numerics.dense(serving.dtype) for n, _ in stream()}
+        else:
+            generation = trainer.vllm_generation
+            stream = lambda: _trl.trl_vllm_stream(generation)  # noqa: E731
+            engine = _trl.vllm_engine_dtype(generation)  # the engine rounds what it is sent to its own dtype
+            intended = numerics.torch_dtype(engine) if engine is not None else (
+                torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None)
+            base = {n: numerics.dense(intended or t.dtype, cast="rtn" if intended not in (None, t.dtype) else "none")
+                    for n, t in stream()}
+        described = trainer.describe_tensors(trainer.accelerator.unwrap_model(trainer.model))
+        specs = {n: described[n].with_(dtype=s.dtype, cast=s.cast) if n in described else s for n, s in base.items()}
+        return LearnerSide(stream, specs)
+
+    def _around_vllm_sync(self, run) -> None:
+        step = int(self.trainer.state.global_step)
+        self.monitor.before_sync(step)
+        log = SyncLog()
+        run(log.tap)  # TRL's sync, its stream recorded on the way
+        self.monitor.sampler.set_version(step)
+        self.monitor.after_sync(step, log)
+
+    # -- the logprob check ---------------------------------------------------------------------------------------
+    def logits_processors(self, trainer) -> list:
+        self._tap = None
+        if not self.monitor.enabled("logprob_agreement") or trainer.tools or _trl.num_beams(trainer) > 1:
+            return []  # beams reorder and prune rows: the check re-scores the finished rollouts instead
+        self._tap = SampledLogprobTap(trainer.temperature)  # the twin's logprob of each sampled token
+        return [self._tap]
+
+    def after_generation(self, trainer, completion_ids) -> None:
+        tap, self._tap = self._tap, None
+        if tap is None:
+            return
+        try:
+            self._sampler_logps = tap.per_row(completion_ids)
+        except ValueError as err:  # the recorded steps do not line up with the rollouts: re-score instead
+            logger.info("logprob check: the sampler's logprobs were not recorded (%s); re-scoring.", err)
+            self._sampler_logps = None
+
+    @torch.no_grad()
+    def _numerics_logps(self, trainer, ids, attention, keep) -> torch.Tensor:
+        """The learner's logprobs at the sampler's precision: the gap numerics alone explain."""
+        with torch.autocast(ids.device.type, dtype=self.numerics_dtype):
+            return _trl.policy_logps(trainer, trainer.model, ids, attention, keep).float()
+
+    def adjust_batch(self, trainer, output: dict) -> dict:
+        sampler_logps, self._sampler_logps = self._sampler_logps, None
+        if not trainer.model.training or not self.monitor.logprob_due():
+            return output
+        rows = _active_rows(output["completion_mask"])
+        if rows.numel() == 0:
+            return output
+        if "sampling_per_token_logps" in output and "old_per_token_logps" in output:  # vLLM: μ and π at hand
+            self._compare(trainer, output, output["old_per_token_logps"], output["sampling_per_token_logps"], rows)
+        elif sampler_logps is not None and len(sampler_logps) == output["completion_ids"].size(0):
+            # μ travels with the batch; π comes from the loss forward (see on_policy_logps)
+            width = output["completion_ids"].size(1)
+            padded = torch.zeros(len(sampler_logps), width, dtype=torch.float32)
+            for i, row in enumerate(sampler_logps):
+                padded[i, : min(len(row), width)] = torch.tensor(row[:width], dtype=torch.float32)
+            output[SAMPLER_LOGPS_KEY] = padded.to(output["completion_ids"].device)
+            self._pending = True
+        else:
+            self._rescore(trainer, output, rows)
+        return output
+
+    @torch.no_grad()
+    def _rescore(self, trainer, output: dict, rows: torch.Tensor) -> None:
+        """The check where the sampler's logprobs were not recorded (DUET's sampler, tools, beams): the twin and the
+        learner re-score ``rows``."""
+        serving = trainer.serving()
+        if serving is None or serving.sampler is None:
+            return  # a vLLM engine that returned no logprobs: nothing to compare with
+        batch = {k: output[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        keep = batch["completion_ids"].size(1)
+        with trainer.compute_loss_context_manager():
+            learner = _trl.policy_logps(trainer, trainer.model, ids, attention, keep)
+        sampler = _trl.policy_logps(trainer, serving.sampler.model, ids, attention, keep)
+        self._compare(trainer, batch, learner, sampler, torch.arange(len(rows)))
+
+    def on_policy_logps(self, trainer, inputs: dict, logps: torch.Tensor) -> None:
+        if not self._pending or SAMPLER_LOGPS_KEY not in inputs:
+            return
+        self._pending = False
+        mask = inputs["completion_mask"]
+        rows = _active_rows(mask)
+        if rows.numel() == 0:
+            return
+        self._compare(trainer, inputs, logps.detach(), inputs[SAMPLER_LOGPS_KEY], rows)
+
+    def _compare(self, trainer, batch: dict, learner: torch.Tensor, sampler: torch.Tensor, rows: torch.Tensor) -> None:
+        """The gap on every rollout of ``batch``; the numerics reference on ``rows`` (one small extra forward)."""
+        mask = batch["completion_mask"]
+        ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], dim=1)
+        attention = torch.cat([batch["prompt_mask"][rows], mask[rows]], dim=1)
+        numerics_logps = torch.zeros_like(learner, dtype=torch.float32)
+        numerics_logps[rows] = self._numerics_logps(trainer, ids, attention, batch["completion_ids"].size(1)).to(
+            numerics_logps.device)
+        numerics_mask = torch.zeros_like(mask)
+        numerics_mask[rows] = mask[rows]
+        self.monitor.after_generation(trainer.state.global_step, learner, sampler, mask, numerics_logps, numerics_mask)
