@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_fp8.cli import RecipeKeyError, main, prepare_grpo_launch
+from trl_fp8.cli import RecipeKeyError, config_choices, main, prepare_grpo_launch
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "demo_grpo.yaml"
@@ -86,8 +86,8 @@ def test_plot_command(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"step": 1, "other": 1}\n')
     assert main(["plot", str(empty)]) == 1
-    with pytest.raises(SystemExit):
-        main(["plot", str(tmp_path / "missing.jsonl")])
+    assert main(["plot", str(tmp_path / "missing.jsonl")]) == 2
+    assert "trl-fp8 plot: error: metrics file not found" in capsys.readouterr().err
 
 
 def test_demo_command_with_duet_adds_its_curves(tmp_path, capsys):
@@ -109,6 +109,73 @@ def test_demo_command_with_mxfp8_and_all_sync_checks(tmp_path, capsys):
     assert set(summary["sync_checks"]) >= {"recipe_parity", "quant_parity", "differential_oracle", "freshness"}
     assert all(c["failed"] == 0 for c in summary["sync_checks"].values())
     assert "weight-sync checks:" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["demo", "--output-dir", str(out), "--sync-checks", "freshnes"])
+    assert main(["demo", "--output-dir", str(out), "--sync-checks", "freshnes"]) == 2
     assert "unknown check(s) 'freshnes'" in capsys.readouterr().err
+
+
+def _one_error_line(err: str, command: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and "usage:" not in err, err
+    assert lines and lines[-1].startswith(f"trl-fp8 {command}: error: "), err
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--fair_cast", "sometimes"], "invalid choice: 'sometimes'"),
+        (["--sync_check_interval", "0"], "sync_check_interval must be an integer >= 1, got 0"),
+        (["--duet_budget", "2"], "duet_budget must be in (0, 1]"),
+        (["--duet", "true", "--duet_budget", "-0.5"], "duet_budget must be in (0, 1]"),
+        (["--max_steps", "many"], "invalid int value: 'many'"),
+        (["--reward_funcs", "corectness_reward"], "unknown reward function 'corectness_reward'"),
+        (["--config", "no/such/recipe.yaml"], "No such file or directory"),
+    ],
+)
+def test_grpo_config_errors_are_one_line(tmp_path, capsys, args, expected):
+    argv = ["grpo"] + (args if args[0] == "--config" else ["--config", _recipe(tmp_path)] + args)
+    assert main(argv) == 2
+    assert expected in _one_error_line(capsys.readouterr().err, "grpo")
+
+
+def test_grpo_bad_value_in_the_recipe_is_one_line(tmp_path, capsys):
+    assert main(["grpo", "--config", _recipe(tmp_path, "fair_cast: sometimes\n")]) == 2
+    line = _one_error_line(capsys.readouterr().err, "grpo")
+    assert "fair_cast='sometimes' is not valid" in line
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--fair-cast", "sometimes"], "invalid choice: 'sometimes'"),
+        (["--duet", "2"], "duet_budget must be in (0, 1]"),
+        (["--max-steps", "0"], "max_steps must be a positive integer"),
+        (["--sync-checks", "freshnes"], "unknown check(s) 'freshnes'"),
+    ],
+)
+def test_demo_config_errors_are_one_line(tmp_path, capsys, args, expected):
+    assert main(["demo", "--output-dir", str(tmp_path / "demo"), "--no-progress"] + args) == 2
+    assert expected in _one_error_line(capsys.readouterr().err, "demo")
+    assert not (tmp_path / "demo").exists()  # rejected before anything is written
+
+
+def test_config_error_in_a_subprocess_exits_2_without_traceback(tmp_path):
+    cmd = [sys.executable, "-m", "trl_fp8.cli", "grpo", "--config", str(RECIPE), "--sync_check_interval", "0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "sync_check_interval must be an integer >= 1" in _one_error_line(proc.stderr, "grpo")
+
+
+def test_demo_choices_come_from_the_config_fields(capsys):
+    import dataclasses
+
+    from trl_fp8 import GRPOConfig
+
+    (fair_cast,) = [f for f in dataclasses.fields(GRPOConfig) if f.name == "fair_cast"]
+    assert config_choices("fair_cast") == list(fair_cast.metadata["choices"])
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "{" + ",".join(fair_cast.metadata["choices"]) + "}" in capsys.readouterr().out
+    with pytest.raises(KeyError):
+        config_choices("learning_rate")  # a field without choices

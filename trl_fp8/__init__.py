@@ -4,27 +4,53 @@ Change one import and keep the rest of a TRL GRPO script::
 
     # from trl import GRPOTrainer, GRPOConfig
     from trl_fp8 import GRPOTrainer, GRPOConfig
+
+The names below are imported on first use, so that ``import trl_fp8.cli`` stays light (the CLI silences
+known third-party import notices before torch is imported).
 """
 
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+from __future__ import annotations
 
-from .config import GRPOConfig
-from .sync import WeightSyncError, WeightSyncWarning
-from .trainer import GRPOTrainer
-from .utils import get_kbit_device_map
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "GRPOConfig",
-    "GRPOTrainer",
-    "ModelConfig",
-    "ScriptArguments",
-    "TrlParser",
-    "WeightSyncError",
-    "WeightSyncWarning",
-    "get_kbit_device_map",
-    "get_peft_config",
-    "get_quantization_config",
-    "__version__",
-]
+_EXPORTS = {
+    "GRPOConfig": ".config",
+    "GRPOTrainer": ".trainer",
+    "WeightSyncError": ".sync",
+    "WeightSyncWarning": ".sync",
+    "get_kbit_device_map": ".utils",
+    "ModelConfig": "trl",
+    "ScriptArguments": "trl",
+    "TrlParser": "trl",
+    "get_peft_config": "trl",
+    "get_quantization_config": "trl",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:
+    from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+
+    from .config import GRPOConfig
+    from .sync import WeightSyncError, WeightSyncWarning
+    from .trainer import GRPOTrainer
+    from .utils import get_kbit_device_map
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = _EXPORTS[name]
+        value = getattr(importlib.import_module(module, __name__ if module.startswith(".") else None), name)
+        globals()[name] = value
+        return value
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a subpackage, e.g. trl_fp8.sync
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -12,11 +12,36 @@ import argparse
 import difflib
 import sys
 
+from ._quiet import quiet_third_party
+
 GRPO_MODULE = "trl_fp8.scripts.grpo"
 
 
 class RecipeKeyError(ValueError):
     """A recipe or command-line key that neither the GRPO script nor ``accelerate launch`` knows."""
+
+
+class UsageError(Exception):
+    """A bad value on the command line or in a recipe: reported as one line, exit status 2, no traceback."""
+
+
+def _raise_usage_error(message: str):
+    # Replaces ArgumentParser.error on the (very large) GRPO parser: one line instead of a screen of usage.
+    raise UsageError(message)
+
+
+def config_choices(name: str) -> list:
+    """The allowed values of ``trl_fp8.GRPOConfig`` field ``name`` (its ``choices`` metadata): one source."""
+    import dataclasses
+
+    from .config import GRPOConfig
+
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name == name:
+            if "choices" not in f.metadata:
+                raise KeyError(f"GRPOConfig.{name} declares no choices")
+            return list(f.metadata["choices"])
+    raise KeyError(f"GRPOConfig has no field {name!r}")
 
 
 def _option_names(parser) -> set[str]:
@@ -60,28 +85,45 @@ def prepare_grpo_launch(argv: list[str]) -> tuple[list[str], list[str]]:
 
     from .scripts.grpo import make_parser
 
+    from .scripts.grpo import check_script_args
+
     parser = make_parser(prog="trl-fp8 grpo")
+    parser.error = _raise_usage_error
     config_path = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
-    *_, config_remaining, cli_remaining = parser.parse_args_and_config(
+    script, _, model, dataset, config_remaining, cli_remaining = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
     check_unknown_keys(config_remaining, cli_remaining, parser, config_path)
+    check_script_args(script, model, dataset)
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     script_args = _subtract_subsequence(argv, cli_remaining)
     return launch_args, script_args
 
 
 def cmd_grpo(argv: list[str]) -> int:
+    import subprocess
+
+    import yaml
     from accelerate.commands.launch import launch_command, launch_command_parser
 
-    launch_args, script_args = prepare_grpo_launch(argv)
-    accelerate_args = launch_command_parser().parse_args(launch_args + ["--module", GRPO_MODULE] + script_args)
-    launch_command(accelerate_args)
+    try:
+        launch_args, script_args = prepare_grpo_launch(argv)
+    except (ValueError, FileNotFoundError, yaml.YAMLError) as err:
+        raise UsageError(str(err)) from None
+    launcher = launch_command_parser()
+    launcher.error = _raise_usage_error
+    accelerate_args = launcher.parse_args(launch_args + ["--module", GRPO_MODULE] + script_args)
+    try:
+        launch_command(accelerate_args)
+    except subprocess.CalledProcessError as err:
+        # The training process has printed its own traceback; a second one from the launcher adds nothing.
+        print(f"trl-fp8 grpo: the training process exited with status {err.returncode}", file=sys.stderr)
+        return err.returncode or 1
     return 0
 
 
 def cmd_demo(argv: list[str]) -> int:
-    from .demo.run import DemoSettings, format_summary, run_demo
+    from .demo.run import DemoSettings, check_settings, format_summary, run_demo
 
     defaults = DemoSettings()
     p = argparse.ArgumentParser(prog="trl-fp8 demo", description="GRPO on the embedded model and arithmetic "
@@ -89,7 +131,7 @@ def cmd_demo(argv: list[str]) -> int:
     p.add_argument("--output-dir", default=defaults.output_dir, help="where the report goes (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=defaults.max_steps, help="GRPO steps (default: %(default)s)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
-    p.add_argument("--fair-cast", default=defaults.fair_cast, choices=["off", "rtn", "stochastic", "error_feedback"],
+    p.add_argument("--fair-cast", default=defaults.fair_cast, choices=config_choices("fair_cast"),
                    help="Fair Cast export rule of the served bf16 copy (default: %(default)s)")
     p.add_argument("--duet", type=float, default=None, metavar="BUDGET",
                    help="turn DUET on with this token budget β in (0, 1] (default: off)")
@@ -98,16 +140,15 @@ def cmd_demo(argv: list[str]) -> int:
     p.add_argument("--sync-checks", default=defaults.sync_checks,
                    help="weight-sync checks: default, all, off, or comma-separated names (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.error = _raise_usage_error
     args = p.parse_args(argv)
-    from .sync.checks import resolve_checks
-
-    try:
-        resolve_checks(args.sync_checks)
-    except ValueError as err:
-        p.error(str(err))
     settings = DemoSettings(output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed,
                             fair_cast=args.fair_cast, duet_budget=args.duet, mxfp8=args.mxfp8,
                             sync_checks=args.sync_checks, progress=not args.no_progress)
+    try:
+        check_settings(settings)  # every value, before the model is loaded
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     summary = run_demo(settings)
     print(format_summary(summary))
     return 0
@@ -121,9 +162,10 @@ def cmd_plot(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="trl-fp8 plot", description="Draw the PNG report of a metrics.jsonl file.")
     p.add_argument("metrics", help="path of a metrics.jsonl written by a trl_fp8 run")
     p.add_argument("--output-dir", default=None, help="folder for the PNGs (default: beside the metrics file)")
+    p.error = _raise_usage_error
     args = p.parse_args(argv)
     if not os.path.isfile(args.metrics):
-        p.error(f"metrics file not found: {args.metrics}")
+        raise UsageError(f"metrics file not found: {args.metrics}")
     out = args.output_dir or os.path.dirname(os.path.abspath(args.metrics))
     paths = plot_metrics(args.metrics, out)
     if not paths:
@@ -142,6 +184,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party()  # before torch & co. are imported; TRL_FP8_VERBOSE=1 keeps every notice
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: trl-fp8 {" + ",".join(COMMANDS) + "} ...\n")
@@ -159,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[name][0](rest)
-    except (ValueError, FileNotFoundError) as err:
+    except UsageError as err:  # only configuration errors; anything else keeps its traceback
         print(f"trl-fp8 {name}: error: {err}", file=sys.stderr)
         return 2
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from trl_fp8.demo.run import DemoSettings, format_summary, run_demo, summarize
+from trl_fp8.demo.run import DemoSettings, check_settings, format_summary, run_demo, summarize
 
 
 @pytest.mark.parametrize(
@@ -13,6 +13,22 @@ from trl_fp8.demo.run import DemoSettings, format_summary, run_demo, summarize
 def test_settings_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         DemoSettings(**{field: value}).validate()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("fair_cast", "sometimes", "fair_cast='sometimes' is not valid"), ("sync_checks", "freshnes", "freshnes"),
+     ("duet_budget", 1.5, "duet_budget must be in"), ("max_steps", 0, "max_steps")],
+)
+def test_check_settings_rejects_bad_values_before_any_output(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        check_settings(DemoSettings(output_dir=str(tmp_path / "out"), **{field: value}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_settings_returns_the_run_config(tmp_path):
+    args = check_settings(DemoSettings(output_dir=str(tmp_path), fair_cast="rtn", max_steps=7))
+    assert (args.fair_cast, args.max_steps, args.metrics_jsonl) == ("rtn", 7, str(tmp_path / "metrics.jsonl"))
 
 
 def test_summarize_first_and_last_window(tmp_path):

@@ -1,6 +1,12 @@
 import pytest
 
-from trl_fp8.scripts.grpo import BUILTIN_DATASET, load_datasets, make_parser, resolve_reward_funcs
+from trl_fp8.scripts.grpo import (
+    BUILTIN_DATASET,
+    check_script_args,
+    load_datasets,
+    make_parser,
+    resolve_reward_funcs,
+)
 from trl_fp8.tasks.arithmetic import correctness_reward, format_reward
 
 
@@ -48,3 +54,19 @@ def test_no_dataset_is_an_error(tmp_path):
     )
     with pytest.raises(ValueError, match="dataset_name"):
         load_datasets(script_args, dataset_args, training_args)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--dataset_name", BUILTIN_DATASET, "--reward_funcs", "correctness_reward"], "model_name_or_path is required"),
+        (["--model_name_or_path", "trl-fp8:demo-model", "--reward_funcs", "correctness_reward"], "dataset_name"),
+        (["--model_name_or_path", "trl-fp8:demo-model", "--dataset_name", BUILTIN_DATASET], "at least one reward"),
+    ],
+)
+def test_check_script_args_before_launch(tmp_path, argv, expected):
+    script_args, _, model_args, dataset_args = make_parser().parse_args_and_config(
+        argv + ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
+    )
+    with pytest.raises(ValueError, match=expected):
+        check_script_args(script_args, model_args, dataset_args)

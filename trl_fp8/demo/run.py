@@ -119,6 +119,15 @@ def build_demo_config(settings: DemoSettings, **overrides):
     return GRPOConfig(**kwargs)
 
 
+def check_settings(settings: DemoSettings, **overrides):
+    """Validate ``settings`` and the ``GRPOConfig`` they make; return that config.
+
+    Raises ``ValueError`` naming the bad value, before any model is loaded (the CLI reports it in one line).
+    """
+    settings.validate()
+    return build_demo_config(settings, **overrides)
+
+
 def summarize(metrics_path: str | os.PathLike, key: str = "rewards/correctness_reward/mean") -> dict:
     """First-``WINDOW``-step and last-``WINDOW``-step means of ``key`` and of the total reward."""
     records = read_metrics(metrics_path)
@@ -149,14 +158,13 @@ def run_demo(settings: DemoSettings | None = None, **config_overrides) -> dict:
     from .model import demo_model_path
 
     settings = settings or DemoSettings()
-    settings.validate()
+    args = check_settings(settings, **config_overrides)
     out = Path(settings.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     if metrics_path.exists():
         metrics_path.unlink()  # a fresh run starts a fresh report
 
-    args = build_demo_config(settings, **config_overrides)
     dataset = make_arithmetic_dataset(settings.num_problems, seed=settings.seed)
     start = time.perf_counter()
     trainer = GRPOTrainer(

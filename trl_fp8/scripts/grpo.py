@@ -18,9 +18,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
+from .._quiet import quiet_third_party
 
-from ..config import GRPOConfig
+if __name__ == "__main__":
+    quiet_third_party()  # before torch & co. are imported below; TRL_FP8_VERBOSE=1 keeps every notice
+
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments  # noqa: E402
+
+from ..config import GRPOConfig  # noqa: E402
 
 BUILTIN_MODEL = "trl-fp8:demo-model"
 BUILTIN_DATASET = "trl-fp8:arithmetic"
@@ -89,6 +94,17 @@ def resolve_reward_funcs(names: list[str] | None, reward_model: str | None = Non
     return funcs
 
 
+def check_script_args(script_args, model_args, dataset_args) -> None:
+    """Raise ``ValueError`` for a missing model or dataset or an unknown reward function, before launching."""
+    if not model_args.model_name_or_path:
+        raise ValueError(
+            f"model_name_or_path is required (a Hub id, a local folder, or '{BUILTIN_MODEL}')."
+        )
+    if not (dataset_args.datasets or script_args.dataset_name):
+        raise ValueError(f"Either `datasets` or `dataset_name` must be provided (e.g. '{BUILTIN_DATASET}').")
+    resolve_reward_funcs(script_args.reward_funcs, script_args.reward_model_name_or_path)
+
+
 def load_datasets(script_args, dataset_args, training_args):
     from datasets import DatasetDict, load_dataset
     from trl import get_dataset
@@ -114,11 +130,11 @@ def load_datasets(script_args, dataset_args, training_args):
 def main(script_args, training_args, model_args, dataset_args):
     from trl import get_peft_config, get_quantization_config
 
+    from .._trl import shutdown_trainer_vllm
     from ..trainer import GRPOTrainer
 
+    check_script_args(script_args, model_args, dataset_args)
     model_name = model_args.model_name_or_path
-    if not model_name:
-        raise ValueError("model_name_or_path is required (a Hub id, a local folder, or 'trl-fp8:demo-model').")
     if model_name == BUILTIN_MODEL:
         from ..demo.model import demo_model_path
 
@@ -149,6 +165,9 @@ def main(script_args, training_args, model_args, dataset_args):
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    # A colocated vLLM engine goes first, while the process group it was built on exists; otherwise its exit
+    # finalizer finds the group destroyed by `trainer.end()` and prints "Invalid process group specified".
+    shutdown_trainer_vllm(trainer)
     if hasattr(trainer, "end"):
         trainer.end()
 
@@ -156,5 +175,12 @@ def main(script_args, training_args, model_args, dataset_args):
 if __name__ == "__main__":
     parser = make_parser()
     # Keys consumed by `accelerate launch` may stay in the recipe; the CLI has already checked the rest.
-    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
+    try:
+        script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(
+            fail_with_unknown_args=False
+        )
+        check_script_args(script_args, model_args, dataset_args)
+    except ValueError as err:  # a bad value (GRPOConfig.__post_init__ and the checks above): one line, status 2
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     main(script_args, training_args, model_args, dataset_args)

@@ -1,0 +1,112 @@
+import enum
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trl_fp8 import _quiet
+from trl_fp8._quiet import KNOWN_NOTICES, VERBOSE_ENV, installed_filters, quiet_third_party
+
+NOTICE_MARKERS = ("Failed to load", "is an Enum subclass", "gemm_4bit_forward", "Triton not available")
+
+
+@pytest.fixture
+def clean_filters(monkeypatch):
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    _quiet.restore()
+    yield
+    _quiet.restore()
+
+
+class _Catch(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _emit(logger_name, level, msg, *args):
+    logger = logging.getLogger(logger_name)
+    catch = _Catch()
+    logger.addHandler(catch)
+    old_propagate, logger.propagate = logger.propagate, False
+    try:
+        logger.log(level, msg, *args)
+    finally:
+        logger.removeHandler(catch)
+        logger.propagate = old_propagate
+    return catch.messages
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class _TorchaoEnum(enum.Enum):
+    A = 1
+
+
+_TorchaoEnum.__module__ = "torchao.quantization.quantize_.common.kernel_preference"
+
+
+class _OtherEnum(enum.Enum):
+    B = 2
+
+
+def test_only_the_known_notices_are_dropped(clean_filters):
+    assert quiet_third_party() is True
+    assert quiet_third_party() is True  # idempotent: one filter per logger
+    assert len(installed_filters()) == len(KNOWN_NOTICES)
+
+    so = "Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load"
+    assert _emit("torchao", logging.WARNING, so) == ([so] if _cuda() else [])
+    assert _emit("torchao", logging.ERROR, so) == [so]  # errors always pass
+    assert _emit("torchao", logging.WARNING, "Failed to load my_model.bin") == ["Failed to load my_model.bin"]
+    assert _emit("torchao.other", logging.WARNING, so) == [so]  # another logger
+
+    enum_msg = "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type."
+    assert _emit("torch.utils._pytree", logging.WARNING, enum_msg, _TorchaoEnum) == []
+    assert len(_emit("torch.utils._pytree", logging.WARNING, enum_msg, _OtherEnum)) == 1  # not torchao's
+
+    bnb = "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure ..."
+    missing = ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    assert _emit("bitsandbytes.backends.cpu.ops", logging.WARNING, bnb, missing) == []
+    assert len(_emit("bitsandbytes.backends.cpu.ops", logging.WARNING, bnb, RuntimeError("hub down"))) == 1
+
+
+def test_verbose_env_installs_no_filter(clean_filters, monkeypatch):
+    monkeypatch.setenv(VERBOSE_ENV, "1")
+    assert quiet_third_party() is False
+    assert installed_filters() == []
+    for notice in KNOWN_NOTICES:
+        assert not any(isinstance(f, _quiet.KnownNoticeFilter) for f in logging.getLogger(notice.logger).filters)
+
+
+def _run(code, **env):
+    full_env = {k: v for k, v in os.environ.items() if k != VERBOSE_ENV}
+    full_env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **env)
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_entry_shows_no_known_notice():
+    """`trl-fp8 demo --help` imports the whole stack (torch, torchao, bitsandbytes, trl) and prints nothing else."""
+    proc = _run("import sys; from trl_fp8.cli import main; sys.exit(main(['demo', '--help']))")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--fair-cast" in proc.stdout
+    for marker in NOTICE_MARKERS:
+        assert marker not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("verbose, expected", [(None, len(KNOWN_NOTICES)), ("1", 0)])
+def test_cli_entry_installs_the_filters_unless_verbose(verbose, expected):
+    code = ("from trl_fp8.cli import main; main(['--version']); "
+            "from trl_fp8._quiet import installed_filters; print('filters', len(installed_filters()))")
+    proc = _run(code, **({VERBOSE_ENV: verbose} if verbose else {}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"filters {expected}" in proc.stdout
