@@ -1,28 +1,39 @@
 """How far the served bf16 copy lags the fp32 master, per Fair Cast export rule, in a realistic RL setting.
 
-From the same start (the embedded demo model, fp32 master) and seed, GRPO on the demo task with AdamW at
-lr 1e-6 (constant) runs `--steps` steps once per mode: rtn, stochastic, error_feedback. Each step logs
+For each seed (>= 3; default 0 1 2) and each mode -- rtn, stochastic, error_feedback -- GRPO on the demo task
+(embedded demo model, fp32 master and fp32 activations, CPU, 64 rows = 8 prompts x 8 generations per step) with
+AdamW at lr 1e-6 (constant) runs `--steps` steps from the same start; the seed sets the trainer seed, the data
+order and the training problems, and is shared by the three modes (paired). Each step logs
 `fair_cast/lag_steps` (<w - q, u> / |u|^2 along the EMA u of the master's per-step update, on a fixed
-65k-element subset) and `fair_cast/visible_update_frac` (fraction of served elements changed by the export).
+65k-element subset; signed) and `fair_cast/visible_update_frac` (fraction of served elements changed by the export).
 
-    python benchmarks/fair_cast_lag.py [--steps 120] [--lr 1e-6] [--output fair_cast_lag.png]
+Per run: signed lag = mean of the per-step lag_steps; |lag| = mean of the per-step |lag_steps|; both over all
+steps and over the last 20; visible fraction = mean over all steps. Across seeds each figure is given as
+mean ± std (sample std) [min, max].
 
-Prints a table (mean over all steps and over the last 20) and saves a PNG of the lag curves. Last line:
-`rtn_lag_over_sr_lag: <number>` (mean |lag| of rtn over the last 20 steps divided by that of stochastic).
+    python benchmarks/fair_cast_lag.py [--seeds 0 1 2] [--steps 120] [--lr 1e-6] [--output fair_cast_lag.png]
+    python benchmarks/fair_cast_lag.py --quick      # smoke run: 2 seeds x 6 steps, figures not meaningful
+
+Prints the per-seed figures, the across-seed table and saves a PNG of the lag curves. Last line:
+`rtn_lag_over_sr_lag: <number>` -- per seed, |lag| of rtn over the last 20 steps divided by that of stochastic
+(same seed); the mean over seeds (spread on the line before). A seed whose stochastic |lag| is exactly 0 gives no
+ratio and is reported as excluded.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODES = ("rtn", "stochastic", "error_feedback")
+LAST = 20
 
 
-def run_mode(mode: str, steps: int, lr: float, workdir: str) -> list[dict]:
+def run_mode(mode: str, steps: int, lr: float, workdir: str, seed: int = 0) -> list[dict]:
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
@@ -30,13 +41,14 @@ def run_mode(mode: str, steps: int, lr: float, workdir: str) -> list[dict]:
     from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
     args = trl_fp8.GRPOConfig(
-        output_dir=os.path.join(workdir, mode), use_cpu=True, bf16=False, max_steps=steps, learning_rate=lr,
-        lr_scheduler_type="constant", optim="adamw_torch", per_device_train_batch_size=64, num_generations=8,
-        max_completion_length=16, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        gradient_checkpointing=False, seed=0, fair_cast=mode, reward_weights=[1.0, 0.2],
+        output_dir=os.path.join(workdir, f"{mode}-{seed}"), use_cpu=True, bf16=False, max_steps=steps,
+        learning_rate=lr, lr_scheduler_type="constant", optim="adamw_torch", per_device_train_batch_size=64,
+        num_generations=8, max_completion_length=16, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, gradient_checkpointing=False, seed=seed, data_seed=seed, fair_cast=mode,
+        reward_weights=[1.0, 0.2],
     )
     trainer = trl_fp8.GRPOTrainer(model=demo_model_path(), reward_funcs=[correctness_reward, format_reward],
-                                  args=args, train_dataset=make_arithmetic_dataset(4000, seed=0))
+                                  args=args, train_dataset=make_arithmetic_dataset(4000, seed=seed))
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     return [r for r in trainer.state.log_history if "fair_cast/visible_update_frac" in r]
@@ -46,28 +58,66 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def figures(recs: list[dict], last: int) -> dict:
+    lag = [r["fair_cast/lag_steps"] for r in recs if r.get("fair_cast/lag_steps") is not None]
+    return {
+        "lag_all": _mean(lag), "abs_lag_all": _mean([abs(x) for x in lag]),
+        "lag_last": _mean(lag[-last:]), "abs_lag_last": _mean([abs(x) for x in lag[-last:]]),
+        "visible": _mean([r["fair_cast/visible_update_frac"] for r in recs]),
+        "max_err_ulps": max(r["fair_cast/max_abs_err_ulps"] for r in recs),
+        "lag_steps_logged": len(lag),
+    }
+
+
+def spread(xs: list[float], fmt: str) -> str:
+    """`mean ± std [min, max]` (std: sample std; 0 with one value)."""
+    std = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{format(statistics.mean(xs), fmt)} ± {format(std, fmt)} [{format(min(xs), fmt)}, {format(max(xs), fmt)}]"
+
+
+COLUMNS = (("lag_all", "signed lag, all", ".2f"), ("abs_lag_all", "|lag|, all", ".2f"),
+           ("lag_last", "signed lag, last 20", ".2f"), ("abs_lag_last", "|lag|, last 20", ".2f"),
+           ("visible", "visible frac", ".4f"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--output", default="fair_cast_lag.png")
+    parser.add_argument("--quick", action="store_true", help="smoke run: seeds 0 1, 6 steps (not meaningful)")
     args = parser.parse_args()
-    if args.steps < 100:
+    last = LAST
+    if args.quick:
+        args.seeds, args.steps, last = [0, 1], 6, 3
+    elif args.steps < 100:
         parser.error("--steps must be >= 100")
+    elif len(args.seeds) < 3:
+        parser.error("give at least 3 seeds")
 
-    curves = {}
+    curves = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as workdir:
-        for mode in MODES:
-            curves[mode] = run_mode(mode, args.steps, args.lr, workdir)
+        for seed in args.seeds:
+            for mode in MODES:  # interleaved per seed
+                curves[mode].append(run_mode(mode, args.steps, args.lr, workdir, seed))
 
-    print(f"{'mode':<16}{'lag (all)':>12}{'lag (last 20)':>15}{'visible frac':>14}{'max err ulps':>14}")
-    summary = {}
-    for mode, recs in curves.items():
-        lag = [r["fair_cast/lag_steps"] for r in recs if r.get("fair_cast/lag_steps") is not None]
-        vis = [r["fair_cast/visible_update_frac"] for r in recs]
-        err = [r["fair_cast/max_abs_err_ulps"] for r in recs]
-        summary[mode] = _mean([abs(x) for x in lag[-20:]])
-        print(f"{mode:<16}{_mean(lag):>12.2f}{_mean(lag[-20:]):>15.2f}{_mean(vis):>14.4f}{max(err):>14.3f}")
+    results = {mode: [figures(recs, last) for recs in runs] for mode, runs in curves.items()}
+    label = f"last {last}"
+    print(f"\nFair Cast lag: demo model/task, fp32 master, AdamW lr {args.lr:g} constant, {args.steps} steps, "
+          f"64 rows/step, seeds {' '.join(map(str, args.seeds))}; lag in steps along the EMA update direction "
+          f"(signed: mean of per-step values; |lag|: mean of per-step absolute values)")
+    print("per seed:")
+    print(f"{'mode':<16}{'seed':>5}" + "".join(f"{name.replace('last 20', label):>22}" for _, name, _ in COLUMNS)
+          + f"{'max err ulps':>14}")
+    for mode in MODES:
+        for seed, fig in zip(args.seeds, results[mode]):
+            print(f"{mode:<16}{seed:>5}" + "".join(f"{format(fig[k], f):>22}" for k, _, f in COLUMNS)
+                  + f"{fig['max_err_ulps']:>14.3f}")
+    print(f"\nacross {len(args.seeds)} seeds: mean ± std [min, max]")
+    print(f"{'mode':<16}" + "".join(f"{name.replace('last 20', label):>34}" for _, name, _ in COLUMNS))
+    for mode in MODES:
+        print(f"{mode:<16}" + "".join(f"{spread([fig[k] for fig in results[mode]], f):>34}" for k, _, f in COLUMNS))
 
     import matplotlib
 
@@ -75,10 +125,12 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, recs in curves.items():
-        ax1.plot([r["step"] for r in recs], [r.get("fair_cast/lag_steps") for r in recs], label=mode)
-        ax2.plot([r["step"] for r in recs], [r["fair_cast/visible_update_frac"] for r in recs], label=mode)
-    ax1.set(title=f"served-copy lag (steps), AdamW lr {args.lr:g}", xlabel="step")
+    for (mode, runs), color in zip(curves.items(), ("C0", "C1", "C2")):
+        for i, recs in enumerate(runs):
+            kw = dict(color=color, alpha=0.6, lw=1, label=mode if i == 0 else None)
+            ax1.plot([r["step"] for r in recs], [r.get("fair_cast/lag_steps") for r in recs], **kw)
+            ax2.plot([r["step"] for r in recs], [r["fair_cast/visible_update_frac"] for r in recs], **kw)
+    ax1.set(title=f"served-copy lag (steps, signed), AdamW lr {args.lr:g}, {len(args.seeds)} seeds", xlabel="step")
     ax2.set(title="fraction of served weights changed per export", xlabel="step", yscale="log")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -86,7 +138,18 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(args.output, dpi=100)
     print(f"plot: {args.output}")
-    print(f"rtn_lag_over_sr_lag: {summary['rtn'] / max(summary['stochastic'], 1e-9):.1f}")
+
+    ratios, excluded = [], []
+    for seed, rtn, sr in zip(args.seeds, results["rtn"], results["stochastic"]):
+        if sr["abs_lag_last"] > 0:  # a measured nonzero denominator only
+            ratios.append(rtn["abs_lag_last"] / sr["abs_lag_last"])
+        else:
+            excluded.append(seed)
+            print(f"seed {seed}: stochastic |lag| ({label}) is 0, rtn {rtn['abs_lag_last']:.3f}: no ratio")
+    print(f"rtn |lag| / stochastic |lag| ({label}), per seed: {', '.join(f'{r:.2f}' for r in ratios)}; "
+          f"{spread(ratios, '.2f') if ratios else 'none'} over {len(ratios)} seeds"
+          + (f" ({len(excluded)} excluded: seed {', '.join(map(str, excluded))})" if excluded else ""))
+    print(f"rtn_lag_over_sr_lag: {statistics.mean(ratios):.2f}" if ratios else "rtn_lag_over_sr_lag: n/a")
 
 
 if __name__ == "__main__":

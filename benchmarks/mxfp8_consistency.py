@@ -1,20 +1,36 @@
-"""Sampler/learner logprob mismatch with and without MXFP8 on each side, and the MXFP8 step-time cost.
+"""Sampler/learner logprob mismatch for each weight format (bf16 / MXFP8) *and* each activation precision, and the
+MXFP8 step-time cost.
 
 On the embedded demo model and task. Both sides hold the same weights (the demo model's, rounded to bf16 as a
-Fair Cast export would serve them). The *sampler* generates rollouts token by token with a KV cache, in
-``--sampler-dtype`` (bf16 by default, as served); the *learner* scores the same tokens with one full forward in
-fp32 (the demo's learner); ``--sampler-dtype float32`` makes both sides compute activations in fp32. Each side's linear layers are either plain or MXFP8 (torchao, emulated: e4m3
+Fair Cast export would serve them). Each side's linear layers are either plain or MXFP8 (torchao, emulated: e4m3
 elements, 32-element blocks, RCEIL E8M0 scales; ``lm_head`` and embeddings stay high precision on both sides).
-The table gives mean and max |log π_learner − log μ_sampler| over the sampled tokens, for the four pairings.
 
-The last part times GRPO steps on the demo (Fair Cast on, so the in-process sampler is the bf16 twin) with
-``mxfp8=True`` (emulated) vs ``False``, interleaved, median of per-pair ratios. Emulated MXFP8 is *slower* than
-bf16 on CPU: it quantizes and dequantizes in PyTorch ops around an ordinary matmul.
+Rows: in each round, the *served* sampler (bf16 weights, bf16 parameters and activations) samples one set of
+completions token by token with a KV cache (temperature 1). Every pairing below is measured on those SAME tokens:
+each sampler variant re-runs the same ``generate`` (KV cache, token by token) forced onto those tokens and its raw
+logits are read; each learner variant scores them with one full forward, as TRL's learner does. The gap is mean
+(and max) |log π_learner − log μ_sampler| over the completion tokens up to and including the first EOS.
 
-    python benchmarks/mxfp8_consistency.py [--prompts 64] [--sampler-dtype {bfloat16,float32}] [--pairs 5]
+Activation pairings (learner activations vs sampler activations):
 
-Last line: ``matched_mxfp8_gap_reduction: <number> (<dtype> sampler), ...`` (mismatched-pair mean gap, the
-smaller of the two, divided by the matched MXFP8 pair's; goal >= 10), per sampler compute dtype.
+    (a) learner fp32            vs sampler bf16 (as served)   -- the CPU / Hopper demo setting
+    (b) learner bf16 autocast   vs sampler bf16 (as served)   -- a Blackwell run (``bf16=True``)
+    (c) learner fp32            vs sampler fp32               -- matched fp32 activations
+    (d) learner bf16            vs sampler bf16               -- the sampler's own bf16 model scores the rows with
+                                                                 one full forward: only batch shape / KV cache differ
+
+each with the four weight pairings sampler/learner: bf16/bf16, bf16/MXFP8, MXFP8/bf16, MXFP8/MXFP8. "bf16
+autocast" is the fp32 master under ``torch.autocast(bfloat16)`` (matmuls in bf16, norms/softmax as autocast
+decides); the sampler "bf16" holds bf16 parameters and computes everything in bf16.
+
+The last part times GRPO steps on the demo (Fair Cast on, so the in-process sampler is the bf16 twin; learner fp32
+activations in both arms) with ``mxfp8=True`` (emulated) vs ``False``, interleaved, median of per-pair ratios.
+Emulated MXFP8 is *slower* than bf16 on CPU: it quantizes and dequantizes in PyTorch ops around an ordinary matmul.
+
+    python benchmarks/mxfp8_consistency.py [--prompts 64] [--rounds 5] [--pairs 5] [--steps 20] [--quick]
+
+Last line: ``mxfp8_matched_gap_bf16act: <number>`` -- the MXFP8/MXFP8 mean gap under matched bf16 activations
+(pairing b), median over rounds; the line before it gives bf16/bf16 under the same activations for comparison.
 """
 
 from __future__ import annotations
@@ -29,8 +45,23 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
+FORMATS = ("bf16", "mxfp8")
+# (label, learner activations, sampler activations)
+ACT_PAIRINGS = (
+    ("a", "fp32", "bf16"),
+    ("b", "bf16-autocast", "bf16"),
+    ("c", "fp32", "fp32"),
+    ("d", "bf16", "bf16"),
+)
+ACT_NOTES = {"a": "learner fp32 vs sampler bf16: the CPU / Hopper demo setting",
+             "b": "learner bf16 autocast vs sampler bf16: a Blackwell bf16=True run",
+             "c": "learner fp32 vs sampler fp32: matched fp32 activations",
+             "d": "learner = the sampler's own bf16 model (full forward vs KV cache): fully matched bf16"}
 
-def build_sides(sampler_dtype, device="cpu"):
+
+def build_models(device="cpu"):
+    """``{("sampler", fmt, act): model}`` with act in {"bf16", "fp32"} (the parameters' and activations' dtype) and
+    ``{("learner", fmt): model}`` (fp32 parameters; bf16 activations come from autocast at scoring time)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -41,54 +72,121 @@ def build_sides(sampler_dtype, device="cpu"):
     with torch.no_grad():
         for p in base.parameters():  # the served values: bf16, exactly representable in fp32
             p.copy_(p.to(torch.bfloat16).float())
+    sides = [("sampler", "bf16", torch.bfloat16), ("sampler", "fp32", torch.float32), ("learner", None, torch.float32)]
     models = {}
-    for side, dtype in (("sampler", sampler_dtype), ("learner", torch.float32)):
-        for fmt in ("bf16", "mxfp8"):
+    for side, act, dtype in sides:
+        for fmt in FORMATS:
             m = copy.deepcopy(base)
             for p in m.parameters():
                 p.data = p.data.to(dtype)
             if fmt == "mxfp8":
                 convert_linears(m, MXRecipe(rounding="rceil", kernel="emulated"))
-            models[side, fmt] = m
+            models[(side, fmt, act) if side == "sampler" else (side, fmt)] = m
     return models
 
 
-def consistency(models, prompts: int, seed: int, device="cpu", max_new_tokens=12):
+def _forced(tokens, prompt_len):
+    """A logits processor that makes greedy decoding emit ``tokens`` (one column per step)."""
     import torch
+    from transformers import LogitsProcessor
 
-    from trl_fp8.tasks.arithmetic import make_arithmetic_dataset
-    from transformers import AutoTokenizer
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            t = input_ids.size(1) - prompt_len
+            forced = torch.full_like(scores, float("-inf"))
+            forced.scatter_(1, tokens[:, t:t + 1], 0.0)
+            return forced
+
+    return Force()
+
+
+def consistency(models, prompts: int, seed: int, device="cpu", max_new_tokens=12):
+    """One round: ``{(pairing, sampler_fmt, learner_fmt): (mean gap, max gap, tokens)}`` on one set of rows, plus
+    ``"rescore_check"``: max |Δ logit| between the served sampler's sampling run and its forced re-run (0 means
+    the forced re-run reproduces the sampler's computation exactly)."""
+    import torch
+    from transformers import AutoTokenizer, LogitsProcessorList
 
     from trl_fp8.demo.model import demo_model_path
+    from trl_fp8.tasks.arithmetic import make_arithmetic_dataset
 
     tok = AutoTokenizer.from_pretrained(demo_model_path())
     data = make_arithmetic_dataset(prompts, seed=seed)
     enc = tok([r["prompt"] for r in data], return_tensors="pt", padding=True, padding_side="left").to(device)
-    table = {}
-    for sampler_fmt in ("bf16", "mxfp8"):
-        torch.manual_seed(seed)
+    p = enc["input_ids"].size(1)
+    common = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,
+                  return_dict_in_generate=True)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = models["sampler", "bf16", "bf16"].generate(
+            **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, **common)
+    seq = out.sequences
+    completion = seq[:, p:]
+    sampled_logits = torch.stack(out.logits, 1).float()
+    # tokens up to and including the first EOS (as TRL masks completions)
+    is_eos = completion == tok.eos_token_id
+    eos_idx = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], 10**9, dtype=torch.long))
+    mask = torch.arange(completion.size(1), device=device).unsqueeze(0) <= eos_idx.unsqueeze(1)
+    attention = torch.cat([enc["attention_mask"], mask.long()], 1)
+
+    def logp(logits):
+        return torch.log_softmax(logits.float(), -1).gather(2, completion.unsqueeze(2)).squeeze(2)
+
+    sampler_logp, rescore_check = {}, None
+    for (side, fmt, act), model in ((k, m) for k, m in models.items() if k[0] == "sampler"):
         with torch.no_grad():
-            out = models["sampler", sampler_fmt].generate(
-                **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id)
-        seq = out.sequences
-        completion = seq[:, enc["input_ids"].size(1):]
-        sampler_logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
-        sampler_logp = sampler_logp.gather(2, completion.unsqueeze(2)).squeeze(2)
-        # tokens up to and including the first EOS (as TRL masks completions)
-        is_eos = completion == tok.eos_token_id
-        eos_idx = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], 10**9, dtype=torch.long))
-        mask = torch.arange(completion.size(1), device=device).unsqueeze(0) <= eos_idx.unsqueeze(1)
-        attention = torch.cat([enc["attention_mask"], mask.long()], 1)
-        for learner_fmt in ("bf16", "mxfp8"):
-            with torch.no_grad():
-                logits = models["learner", learner_fmt](input_ids=seq, attention_mask=attention).logits.float()
-            p = enc["input_ids"].size(1)
-            learner_logp = torch.log_softmax(logits[:, p - 1:-1], -1).gather(2, completion.unsqueeze(2)).squeeze(2)
-            gap = (learner_logp - sampler_logp).abs()[mask]
-            table[sampler_fmt, learner_fmt] = (gap.mean().item(), gap.max().item(), int(mask.sum()))
+            forced = model.generate(**enc, do_sample=False, max_new_tokens=completion.size(1),
+                                    min_new_tokens=0, logits_processor=LogitsProcessorList([_forced(completion, p)]),
+                                    temperature=None, top_k=None, top_p=None, **common)
+        assert torch.equal(forced.sequences, seq), "the forced re-run did not reproduce the sampled rows"
+        logits = torch.stack(forced.logits, 1).float()
+        if (fmt, act) == ("bf16", "bf16"):
+            rescore_check = (logits - sampled_logits)[mask].abs().max().item()
+        sampler_logp[fmt, act] = logp(logits)
+
+    learner_logp = {}
+    for fmt in FORMATS:
+        for act in ("fp32", "bf16-autocast", "bf16"):
+            model = models["sampler", fmt, "bf16"] if act == "bf16" else models["learner", fmt]
+            with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                                                 enabled=act == "bf16-autocast"):
+                logits = model(input_ids=seq, attention_mask=attention).logits
+            learner_logp[fmt, act] = logp(logits[:, p - 1:-1])
+
+    table = {}
+    for label, l_act, s_act in ACT_PAIRINGS:
+        for s_fmt in FORMATS:
+            for l_fmt in FORMATS:
+                gap = (learner_logp[l_fmt, l_act] - sampler_logp[s_fmt, s_act]).abs()[mask]
+                table[label, s_fmt, l_fmt] = (gap.mean().item(), gap.max().item(), int(mask.sum()))
+    table["rescore_check"] = rescore_check
     return table
+
+
+def summarize(rounds):
+    """Median over rounds of each pairing's mean and max gap, and the min–max of the mean gap over rounds."""
+    out = {}
+    for key in (k for k in rounds[0] if k != "rescore_check"):
+        means = [r[key][0] for r in rounds]
+        out[key] = (statistics.median(means), min(means), max(means), statistics.median(r[key][1] for r in rounds))
+    return out
+
+
+def _g(x: float) -> str:
+    return f"{x:.5f}" if x == 0 or abs(x) >= 1e-4 else f"{x:.1e}"
+
+
+def format_table(summary) -> list[str]:
+    lines = [f"{'':3}{'learner act':>14}{'sampler act':>13} | {'sampler W':>9} / {'learner W':<9} | "
+             f"{'mean |Δ logp| (median)':>22}{'min–max over rounds':>22} | {'max |Δ logp| (median)':>21}"]
+    for label, l_act, s_act in ACT_PAIRINGS:
+        lines.append(f"({label}) {ACT_NOTES[label]}")
+        for s_fmt in FORMATS:
+            for l_fmt in FORMATS:
+                med, lo, hi, worst = summary[label, s_fmt, l_fmt]
+                lines.append(f"{'':3}{l_act:>14}{s_act:>13} | sampler {s_fmt:>5} / learner {l_fmt:<5} | "
+                             f"{_g(med):>22}{f'{_g(lo)}–{_g(hi)}':>22} | {_g(worst):>21}")
+    return lines
 
 
 def step_time_ratio(pairs: int, steps: int) -> list[float]:
@@ -128,44 +226,46 @@ def step_time_ratio(pairs: int, steps: int) -> list[float]:
 
 
 def main() -> None:
-    import torch
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=64, help="prompts per consistency round")
     parser.add_argument("--rounds", type=int, default=5, help="consistency rounds (different seeds; median)")
-    parser.add_argument("--sampler-dtype", default=None, choices=["bfloat16", "float32"],
-                        help="the sampler's compute dtype (default: both, fp32 first)")
     parser.add_argument("--pairs", type=int, default=5, help="interleaved step-time pairs (>= 5; 0 skips timing)")
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps per timed run")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 8 prompts, 1 round, no timing (figures not meaningful)")
     args = parser.parse_args()
-    if args.pairs and args.pairs < 5:
+    if args.quick:
+        args.prompts, args.rounds, args.pairs = 8, 1, 0
+    elif args.pairs and args.pairs < 5:
         parser.error("--pairs must be 0 (skip) or >= 5")
-    if args.rounds < 5:
+    elif args.rounds < 5:
         parser.error("--rounds must be >= 5 (the figures are medians)")
 
-    reductions = {}
-    for sampler_dtype in ([args.sampler_dtype] if args.sampler_dtype else ["float32", "bfloat16"]):
-        models = build_sides(getattr(torch, sampler_dtype), args.device)
-        rounds = [consistency(models, args.prompts, seed, args.device) for seed in range(args.rounds)]
-        keys = list(rounds[0])
-        print(f"\nsampler computes in {sampler_dtype}, learner in float32; median over {args.rounds} rounds of "
-              f"{args.prompts} prompts ({rounds[0][keys[0]][2]} tokens in round 1)")
-        print(f"{'sampler':>8} | {'learner':>8} | {'mean |Δ logp|':>14} | {'max |Δ logp|':>13}")
-        summary = {}
-        for key in keys:
-            mean = statistics.median(r[key][0] for r in rounds)
-            worst = statistics.median(r[key][1] for r in rounds)
-            summary[key] = mean
-            print(f"{key[0]:>8} | {key[1]:>8} | {mean:>14.5f} | {worst:>13.4f}")
-        mismatched = min(summary["bf16", "mxfp8"], summary["mxfp8", "bf16"])
-        reductions[sampler_dtype] = mismatched / max(summary["mxfp8", "mxfp8"], 1e-9)
+    models = build_models(args.device)
+    rounds = [consistency(models, args.prompts, seed, args.device) for seed in range(args.rounds)]
+    summary = summarize(rounds)
+    tokens = [r["a", "bf16", "bf16"][2] for r in rounds]
+    print(f"\nmean/max |log π_learner − log μ_sampler| per token; {args.rounds} rounds × {args.prompts} prompts "
+          f"({min(tokens)}–{max(tokens)} completion tokens per round); all pairings on the same rows, sampled by the "
+          f"served sampler (bf16 weights, bf16 activations); forced re-run check, max |Δ logit| vs the sampling run: "
+          f"{max(r['rescore_check'] for r in rounds):.3g}")
+    for line in format_table(summary):
+        print(line)
     if args.pairs:
         ratios = step_time_ratio(args.pairs, args.steps)
-        print(f"step time, MXFP8 emulated / bf16 (CPU, demo, Fair Cast twin): {statistics.median(ratios):.2f} "
-              f"(ratios {', '.join(f'{r:.2f}' for r in ratios)}) — emulated MXFP8 is slower by design")
-    print("matched_mxfp8_gap_reduction: " + ", ".join(
-        f"{r:.3g} ({d} sampler)" if r < 1e6 else f">1e6 ({d} sampler: matched gap 0)" for d, r in reductions.items()))
+        print(f"step time, MXFP8 emulated / bf16 weights (CPU, demo, Fair Cast twin, fp32 learner activations in both): "
+              f"{statistics.median(ratios):.2f} (ratios {', '.join(f'{r:.2f}' for r in ratios)}) "
+              f"— emulated MXFP8 is slower by design")
+    matched = {label: summary[label, "mxfp8", "mxfp8"][0] for label, _, _ in ACT_PAIRINGS}
+    plain = {label: summary[label, "bf16", "bf16"][0] for label, _, _ in ACT_PAIRINGS}
+    for label, l_act, s_act in ACT_PAIRINGS:
+        line = (f"({label}) learner {l_act} / sampler {s_act}: MXFP8/MXFP8 gap {_g(matched[label])} vs bf16/bf16 "
+                f"gap {_g(plain[label])} (difference {matched[label] - plain[label]:+.2g})")
+        if plain[label] > 0:  # a measured nonzero denominator only
+            line += f", ratio {matched[label] / plain[label]:.3g}"
+        print(line)
+    print(f"mxfp8_matched_gap_bf16act: {matched['b']:.5f}")
 
 
 if __name__ == "__main__":

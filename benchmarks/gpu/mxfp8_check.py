@@ -105,18 +105,15 @@ def main() -> None:
     else:
         print(f"device: {device}, torch {torch.__version__}")
 
-    from mxfp8_consistency import build_sides, consistency
+    from mxfp8_consistency import build_models, consistency, format_table, summarize
 
     prompts, rounds = (8, 1) if args.quick else (256, 5)
-    for sampler_dtype in (torch.float32, torch.bfloat16):
-        models = build_sides(sampler_dtype, device)
-        results = [consistency(models, prompts, seed, device) for seed in range(rounds)]
-        print(f"\nconsistency, sampler {str(sampler_dtype).removeprefix('torch.')}, learner float32, "
-              f"{prompts} prompts × {rounds} rounds (median)")
-        for key in results[0]:
-            mean = statistics.median(r[key][0] for r in results)
-            worst = statistics.median(r[key][1] for r in results)
-            print(f"  sampler {key[0]:>5} / learner {key[1]:>5}: mean |Δ logp| {mean:.5f}, max {worst:.4f}")
+    models = build_models(device)
+    results = [consistency(models, prompts, seed, device) for seed in range(rounds)]
+    print(f"\nconsistency on {device}: mean/max |Δ logp| per token, {prompts} prompts × {rounds} rounds (median), "
+          f"all pairings on the same rows; forced re-run check {max(r['rescore_check'] for r in results):.3g}")
+    for line in format_table(summarize(results)):
+        print(line)
     sizes, dim, repeats = ((64, 96), 64, 3) if args.quick else ((512, 4096, 16384, 65536), 4096, 20)
     linear_timing(device, sizes, dim, repeats)
     export_timing(device, 1 << (16 if args.quick else 26), 3 if args.quick else 20)
