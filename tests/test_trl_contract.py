@@ -25,6 +25,8 @@ CALLED = {
     "trl.generation.vllm_generation.VLLMGeneration._fix_param_name_to_vllm": ("self", "name"),
     "trl.generation.vllm_generation.VLLMGeneration.sync_weights": ("self",),
     "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": ("self",),
+    "trl.cli.accelerate_config.resolve_accelerate_config_argument": ("launch_args",),
+    "trl.cli.commands.training._subtract_subsequence": ("lst", "subseq"),
 }
 
 

@@ -1,7 +1,10 @@
 """Every TRL-, transformers- and vLLM-private name trl_fp8 touches, in one place.
 
 Nothing else in trl_fp8 reaches into a private method, an undocumented attribute or a module global of TRL or
-vLLM: it calls a function here. ``tests/test_trl_contract.py`` pins what this module relies on — the signatures of
+vLLM: it calls a function here. One exception by design: :class:`trl_fp8.samplers.VLLMColocateSampler` is the
+adapter of a vLLM engine's *layers* (``packed_modules_mapping``, ``output_sizes``, ``quant_method``,
+``input_size_per_partition``) and reads them itself; the real-engine tests (``tests/sync/test_vllm_engine.py``)
+exercise every one of them. ``tests/test_trl_contract.py`` pins what this module relies on — the signatures of
 the TRL methods trl_fp8 overrides or calls, the trainer attributes it reads, and a fingerprint (hash of the
 source) of each TRL code block whose *internals* it depends on — so a TRL upgrade fails with the list of what
 moved instead of a silent change. Tested with the TRL range in :data:`TESTED_TRL`.
@@ -130,6 +133,21 @@ def repatch_fused_head(trainer, twin: torch.nn.Module) -> None:
                           outputs=("log_probs", "entropy"))
 
 
+# -- TRL's command line --------------------------------------------------------------------------------------------
+def resolve_accelerate_config(args: list[str]) -> list[str]:
+    """``--accelerate_config NAME`` resolved as ``trl grpo`` resolves it (TRL's named configs or a file)."""
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    return resolve_accelerate_config_argument(args)
+
+
+def subtract_subsequence(sequence: list[str], subsequence: list[str]) -> list[str]:
+    """What ``trl grpo`` uses to split its arguments between the script and ``accelerate launch``."""
+    from trl.cli.commands.training import _subtract_subsequence
+
+    return _subtract_subsequence(sequence, subsequence)
+
+
 # -- TRL's vLLM generation ----------------------------------------------------------------------------------------
 def trl_vllm_stream(generation):
     """TRL's own sync stream ``(vLLM name, tensor)`` of the learner's parameters (PEFT merged, names fixed)."""
@@ -185,6 +203,14 @@ def vllm_engine_dtype(generation) -> str | None:
 def vllm_model(llm) -> torch.nn.Module:
     """The torch model inside a colocated ``vllm.LLM`` (where TRL's colocate sync loads weights)."""
     return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+def vllm_weight_version(llm):
+    return llm.llm_engine.get_weight_version()
+
+
+def set_vllm_weight_version(llm, step: int) -> None:
+    llm.llm_engine.set_weight_version(str(int(step)))
 
 
 def vllm_cached_blocks(llm) -> int | None:

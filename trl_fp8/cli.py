@@ -80,12 +80,8 @@ def prepare_grpo_launch(argv: list[str]) -> tuple[list[str], list[str]]:
 
     Parsing builds ``GRPOConfig``, so invalid values fail here, before anything is launched.
     """
-    from trl.cli.accelerate_config import resolve_accelerate_config_argument
-    from trl.cli.commands.training import _subtract_subsequence  # what `trl grpo` uses (trl 1.16)
-
-    from .scripts.grpo import make_parser
-
-    from .scripts.grpo import check_script_args
+    from ._trl import resolve_accelerate_config, subtract_subsequence
+    from .scripts.grpo import check_script_args, make_parser
 
     parser = make_parser(prog="trl-fp8 grpo")
     parser.error = _raise_usage_error
@@ -95,8 +91,8 @@ def prepare_grpo_launch(argv: list[str]) -> tuple[list[str], list[str]]:
     )
     check_unknown_keys(config_remaining, cli_remaining, parser, config_path)
     check_script_args(script, model, dataset)
-    launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
-    script_args = _subtract_subsequence(argv, cli_remaining)
+    launch_args = resolve_accelerate_config(config_remaining + cli_remaining)
+    script_args = subtract_subsequence(argv, cli_remaining)
     return launch_args, script_args
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from . import numerics
+from . import _trl, numerics
 
 VERSION_ATTR = "_trl_fp8_weight_version"
 ALIAS_PROBE_COLUMNS = 8  # input dimensions probed through a tied output layer per check
@@ -211,7 +211,7 @@ class VLLMColocateSampler(Sampler):
 
     def __init__(self, llm, learner_names: Iterable[str]):
         self.llm = llm
-        self.model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        self.model = _trl.vllm_model(llm)
         self._params = dict(self.model.named_parameters())
         self._where = {n: self._locate(n) for n in learner_names}
 
@@ -309,20 +309,16 @@ class VLLMColocateSampler(Sampler):
         return result
 
     def version(self):
-        return self.llm.llm_engine.get_weight_version()
+        return _trl.vllm_weight_version(self.llm)
 
     def set_version(self, step):
-        self.llm.llm_engine.set_weight_version(str(int(step)))
+        _trl.set_vllm_weight_version(self.llm, step)
 
     def reset_cache(self):
         return bool(self.llm.reset_prefix_cache())
 
     def cached_blocks(self):
-        try:
-            pool = self.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
-            return len(pool.cached_block_hash_to_block._cache)
-        except AttributeError:  # another engine layout (e.g. a multiprocess engine core): not readable here
-            return None
+        return _trl.vllm_cached_blocks(self.llm)
 
     def recipe(self):
         out = {}
