@@ -68,12 +68,14 @@ def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, f
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         gradient_checkpointing=False, seed=0, fair_cast="stochastic", sync_checks=checks, **extra,
     )
+    from trl_fp8.sync.component import SyncChecks
     from trl_fp8.sync.logprobs import SampledLogprobTap
     from trl_fp8.sync.monitor import SyncMonitor
 
     clock = _CheckClock()
     for name in ("before_sync", "after_sync", "after_generation"):
         clock.wrap(SyncMonitor, name)
+    clock.wrap(SyncChecks, "_numerics_logps")  # the logprob check's numerics reference: one small extra forward
     clock.wrap(SampledLogprobTap, "__call__")
     clock.wrap(SampledLogprobTap, "per_row")
     timer = _step_timer()

@@ -251,7 +251,8 @@ class LogprobBand:
     def check(self, learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, step: int,
               numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None) -> CheckResult:
         """``numerics_mask``: the tokens ``numerics_logps`` cover (default ``mask``): the numerics reference may be
-        measured on a few rollouts of the batch while the gap covers all of them."""
+        measured on a few rollouts of the batch. The gap is *reported* over ``mask`` (``logp_gap_mean``) and *judged*
+        on the tokens the reference covers (the same tokens on both sides of the comparison)."""
         name = "logprob_agreement"
         learner = learner_logps.float()
         mask = mask.bool().to(learner.device)
@@ -266,11 +267,15 @@ class LogprobBand:
                                metrics)
         explained = None
         if numerics_logps is not None:
-            covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device)
+            covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device) & mask
             explained = (learner - numerics_logps.float().to(learner.device)).abs()[covered]
             explained = explained.mean().item() if explained.numel() else float("nan")
             if math.isfinite(explained):
                 metrics["logp_gap_numerics"] = explained
+                if numerics_mask is not None:  # judge the gap on the tokens the reference covers
+                    judged = (learner - sampler_logps.float().to(learner.device)).abs()[covered]
+                    gap = judged.mean().item()
+                    metrics["logp_gap_judged"] = gap
             else:  # the learner's own low-precision forward overflowed: no explanation on this batch
                 explained = None
         limit, derivation = self.band(explained)

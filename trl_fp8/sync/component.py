@@ -8,9 +8,10 @@ learner's at the sampler's precision (the gap numerics alone explain, measured o
 - the in-process twin: a logits processor records μ during ``generate`` (:class:`~trl_fp8.sync.logprobs.
   SampledLogprobTap`), μ travels with the batch, and π comes from the first loss forward after the generation;
 - otherwise (DUET's sampler, tools, beam search): the twin and the learner re-score a few rollouts.
-The gap covers every rollout compared (the whole generation batch with vLLM, as TRL's
-``sampling/sampling_logp_difference`` does; the first micro-batch in-process); the numerics reference is one
-no-grad forward of the learner under autocast to the served dtype on at most :data:`LOGPROB_CHECK_ROWS` of them.
+The gap is reported over every rollout compared (the whole generation batch with vLLM, as TRL's
+``sampling/sampling_logp_difference`` does; the first micro-batch in-process) and judged on the rollouts the
+numerics reference covers: one no-grad forward of the learner under autocast to the served dtype on at most
+:data:`LOGPROB_CHECK_ROWS` of them, so both sides of the comparison see the same tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .monitor import LearnerSide, SyncMonitor
 
 logger = logging.getLogger("trl_fp8.sync")
 SYNC_CHECK_ACTIONS = ("raise", "warn")
-LOGPROB_CHECK_ROWS = 4  # rollouts the numerics reference (and a re-scoring) runs on
+LOGPROB_CHECK_ROWS = 16  # rollouts the numerics reference (and a re-scoring) runs on; the gap is judged there
 SAMPLER_LOGPS_KEY = "trl_fp8_sampler_logps"  # the in-process twin's per-token logprobs, carried with the batch
 
 
