@@ -17,6 +17,7 @@ from trl_fp8.duet.surrogate import PromptStats
 from trl_fp8.fair_cast.rounding import ErrorFeedback, error_feedback_round
 from trl_fp8.fair_cast.served import ServedCopy
 from trl_fp8.mxfp8.convert import MXRecipe
+from trl_fp8 import numerics
 from trl_fp8.numerics import TensorSpec, mx_fake_quantize, torch_dtype
 from trl_fp8.sync.logprobs import SampledLogprobTap
 from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
@@ -197,7 +198,7 @@ def test_torch_dtype_refuses_a_name_that_is_not_a_dtype(name):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"format": "nvfp4"}, "TensorSpec.format='nvfp4' is not valid; allowed: dense, mxfp8."),
+        ({"format": "nvfp4"}, "TensorSpec.format='nvfp4' is not valid; allowed: dense, mxfp8, engine."),
         ({"cast": "sr"}, "TensorSpec.cast='sr' is not valid; allowed: none, rtn."),
         ({"format": "mxfp8"}, "an MXFP8 TensorSpec needs scale_rounding in ('rceil', 'floor'), got None."),
         ({"format": "mxfp8", "scale_rounding": "even"},
@@ -222,3 +223,10 @@ def test_logprob_tap_refuses_a_completion_longer_than_the_recorded_steps():
     with pytest.raises(ValueError, match=re.escape(
             "the recorded logprobs are shorter than a completion: generate() did not run the tap")):
         tap.per_row([[1, 2, 3]])
+
+
+def test_an_engine_quantized_spec_is_valid_but_has_no_reference_quantizer():
+    spec = numerics.TensorSpec(dtype="bfloat16", format="engine", kernel="Fp8LinearMethod")
+    with pytest.raises(ValueError, match=re.escape("no reference quantizer for an engine-quantized tensor "
+                                                   "(method 'Fp8LinearMethod')")):
+        numerics.quantize(torch.zeros(2, 2), spec)

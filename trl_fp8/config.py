@@ -15,12 +15,6 @@ from trl import GRPOConfig as _TRLGRPOConfig
 
 from .capabilities import CAPABILITIES
 from .components import check_choice  # noqa: F401  (re-exported: part of trl_fp8.config's API)
-from .fair_cast.component import FAIR_CAST_MODES  # noqa: F401  (allowed values, from the capabilities)
-from .fair_cast.rounding import SERVED_DTYPES as _SERVED_TORCH_DTYPES
-from .mxfp8.convert import KERNELS as MXFP8_KERNELS  # noqa: F401
-from .sync.component import SYNC_CHECK_ACTIONS  # noqa: F401
-
-SERVED_DTYPES = tuple(_SERVED_TORCH_DTYPES)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 MX_BLOCK_SIZE = 32
 MX_ELEMENT_DTYPE = torch.float8_e4m3fn
 MX_SCALE_ROUNDINGS = ("rceil", "floor")
-FORMATS = ("dense", "mxfp8")
+FORMATS = ("dense", "mxfp8", "engine")  # "engine": quantized by an inference engine's own method (named in kernel)
 CASTS = ("none", "rtn")
 
 
@@ -104,4 +104,7 @@ def quantize(tensor: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         out = out.to(target)
     if spec.format == "mxfp8":
         return mx_fake_quantize(out, spec.scale_rounding, spec.block_size)
+    if spec.format == "engine":
+        raise ValueError(f"no reference quantizer for an engine-quantized tensor (method {spec.kernel!r}): the "
+                         "learner side must describe what the engine computes in a format trl_fp8 implements.")
     return out

@@ -139,9 +139,15 @@ class TransformersSampler(Sampler):
         return numerics.quantize(tensor, spec) if spec is not None else tensor
 
     def recipe(self):
+        # Read from the modules once per weight version (a sync), not once per tensor: quant_parity asks per tensor.
+        version = self.version()
+        cached = getattr(self, "_recipe", None)
+        if cached is not None and version is not None and cached[0] == version:
+            return cached[1]
         out = super().recipe()
         if self.describe is not None:
             out.update({n: s for n, s in self.describe(self.model).items() if n in out})
+        self._recipe = (version, out)
         return out
 
     @torch.no_grad()
@@ -327,7 +333,7 @@ class VLLMColocateSampler(Sampler):
             module = self.model.get_submodule(self._where[name][0].rpartition(".")[0])
             method = getattr(module, "quant_method", None)
             if method is not None and not type(method).__name__.startswith("Unquantized"):
-                spec = spec.with_(format=type(method).__name__)
+                spec = spec.with_(format="engine", kernel=type(method).__name__)  # vLLM's own quantization
             out[name] = spec
         return out
 
