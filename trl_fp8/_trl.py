@@ -263,11 +263,46 @@ def vllm_platform_is_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+@contextlib.contextmanager
+def dense_engine():
+    """While active, a colocated engine TRL builds for a 4-bit policy is started without TRL's
+    ``quantization="bitsandbytes"``: it loads the checkpoint's 16-bit weights, and fast QLoRA sends it
+    ``dequant(W) + ΔW`` in that dtype (see :mod:`trl_fp8.qlora.vllm`)."""
+    import trl.generation.vllm_generation as trl_vllm
+
+    original_llm = trl_vllm.LLM
+
+    def llm(*args, **kwargs):
+        if kwargs.get("quantization") == "bitsandbytes":
+            kwargs["quantization"] = None
+        return original_llm(*args, **kwargs)
+
+    trl_vllm.LLM = llm
+    try:
+        yield
+    finally:
+        trl_vllm.LLM = original_llm
+
+
+def vllm_engine_quantization(generation) -> str | None:
+    """The quantization a colocated engine was started with (None: none, or a server engine, not readable here)."""
+    if generation.mode != "colocate":
+        return None
+    config = getattr(getattr(generation.llm, "llm_engine", None), "model_config", None)
+    return getattr(config, "quantization", None)
+
+
+@contextlib.contextmanager
 def engine_context(args):
-    """The context TRL's vLLM engine must be built in: plain linears on a vLLM-CPU colocate engine."""
-    if args is None or not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "colocate":
-        return contextlib.nullcontext()
-    return plain_cpu_linears() if vllm_platform_is_cpu() else contextlib.nullcontext()
+    """The context TRL's vLLM engine must be built in: plain linears on a vLLM-CPU colocate engine; no bitsandbytes
+    quantization with fast QLoRA (the engine computes in 16-bit and is sent dense merged weights)."""
+    with contextlib.ExitStack() as stack:
+        if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate":
+            if vllm_platform_is_cpu():
+                stack.enter_context(plain_cpu_linears())
+            if getattr(args, "fast_qlora", "off") != "off":
+                stack.enter_context(dense_engine())
+        yield
 
 
 # -- shutting a colocated engine down -----------------------------------------------------------------------------

@@ -72,11 +72,15 @@ class GRPOTrainer(_TRLGRPOTrainer):
         return out
 
     def serving(self) -> Serving | None:
-        """What the sampler is sent instead of TRL's stream: Fair Cast's served copy, when Fair Cast runs."""
+        """What the sampler is sent instead of TRL's stream: Fair Cast's served copy when Fair Cast runs (over a
+        4-bit base too), else fast QLoRA's dense ``dequant(W) + ΔW`` to a vLLM engine; None: TRL's own stream."""
         fair_cast = self.capability("fair_cast")
-        if fair_cast is None:
-            return None
-        return Serving(fair_cast.export_stream, fair_cast.dtype, fair_cast.sampler)
+        if fair_cast is not None:
+            return Serving(fair_cast.export_stream, fair_cast.dtype, fair_cast.sampler)
+        export = getattr(self.capability("fast_qlora"), "vllm_export", None)
+        if export is not None:
+            return Serving(export.stream, export.dtype(), None)
+        return None
 
     def _generation_model(self):
         """The in-process model to generate with instead of the learner: Fair Cast's twin, synced to the current

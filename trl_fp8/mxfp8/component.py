@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .. import fourbit
 from ..components import Capability, check_choice
 from .convert import DEFAULT_EXCLUDE, KERNELS, MXRecipe, convert_linears, linear_specs, resolve_kernel
 
@@ -70,6 +71,12 @@ class MXFP8(Capability):
 
         args = trainer.args
         model = trainer.accelerator.unwrap_model(trainer.model)
+        if fourbit.has_4bit(model) or fourbit.has_8bit(model):
+            raise ValueError(
+                "mxfp8=True with a bitsandbytes-quantized (4-bit/8-bit) policy is not supported: MXFP8 quantizes dense "
+                "linear layers, and a quantized base has none. Load the model in 16/32-bit for MXFP8, or use "
+                "fast_qlora without mxfp8."
+            )
         if is_peft_model(model) and getattr(args, "fair_cast", "off") != "off":
             raise ValueError(
                 "mxfp8=True with Fair Cast and a PEFT (LoRA) model is not supported yet: Fair Cast serves export(W + "
