@@ -52,8 +52,9 @@ def guard_cpu_repack(model: torch.nn.Module) -> int:
 
     On an AVX512-BF16 CPU, ``Linear4bit.forward`` in eval mode with a no-grad input repacks the weight *in place*
     for a fused GEMV (``packing_format_for_cpu``). After that, ``dequantize_4bit`` returns garbage and, back in
-    train mode, gradients through the layer silently vanish. Returns the number of layers that had been repacked
-    (and were restored to bitsandbytes' canonical layout).
+    train mode, gradients through the layer silently vanish. Returns the number of layers that had been repacked;
+    those are converted back to bitsandbytes' canonical layout, which is close but not exact (the repack stores the
+    block scales in bf16: a relative change of at most 2^-8 per block).
     """
     bnb = _bnb()
     if bnb is None:
@@ -160,24 +161,30 @@ def lora_delta(layer, dtype: torch.dtype = torch.float32) -> torch.Tensor | None
 
 class DenseBase(torch.nn.Module):
     """A frozen dense linear standing in for a 4-bit one: the same ``weight`` values bitsandbytes dequantizes to,
-    computed as its forward computes (``linear(x, W.to(x.dtype), bias)``), with no dequantization."""
+    computed as its forward computes (input cast to the layer's compute dtype, ``linear(x, W, bias)``, output cast
+    back to the input's dtype), with no dequantization."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str = ""):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str = "",
+                 compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
+        self.compute_dtype = compute_dtype  # None: compute in the input's dtype
         self.source = name
 
     @classmethod
     def from_4bit(cls, module, name: str = "") -> DenseBase:
-        return cls(dequantize(module), module.bias, name)
+        compute = module.compute_dtype if getattr(module, "compute_type_is_set", False) else None
+        return cls(dequantize(module), module.bias, name, compute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
-        return torch.nn.functional.linear(x, weight, bias)
+        xc = x if self.compute_dtype is None or x.dtype == self.compute_dtype else x.to(self.compute_dtype)
+        weight = self.weight if self.weight.dtype == xc.dtype else self.weight.to(xc.dtype)
+        bias = self.bias if self.bias is None or self.bias.dtype == xc.dtype else self.bias.to(xc.dtype)
+        y = torch.nn.functional.linear(xc, weight, bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight.dtype}"
@@ -192,4 +199,31 @@ def densify(model: torch.nn.Module) -> int:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, DenseBase.from_4bit(module, name))
+    return len(targets)
+
+
+@torch.no_grad()
+def unload_dense(model: torch.nn.Module) -> int:
+    """In place (on a copy: this consumes the adapters): replace every LoRA layer whose base is 4-bit (or a
+    :class:`DenseBase`) by a :class:`DenseBase` holding ``dequant(W) + ΔW`` computed in fp32 — the exact merge PEFT
+    cannot do into a 4-bit weight — then densify any 4-bit layer left. PEFT's ``merge_and_unload`` then merges the
+    remaining (dense) LoRA layers exactly. Returns the number of LoRA layers unloaded."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return 0
+    targets = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, LoraLayer) and (is_4bit(m.get_base_layer()) or isinstance(m.get_base_layer(), DenseBase))]
+    for name, layer in targets:
+        base = layer.get_base_layer()
+        weight = dequantize(base, torch.float32) if is_4bit(base) else base.weight.detach().float()
+        delta = lora_delta(layer)
+        if delta is not None:
+            weight = weight + delta.to(weight.device)
+        dtype = compute_dtype(base) if is_4bit(base) else base.weight.dtype
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        compute = getattr(base, "compute_dtype", None) if getattr(base, "compute_type_is_set", True) else None
+        setattr(parent, child, DenseBase(weight.to(dtype), base.bias, name, compute))
+    densify(model)
     return len(targets)

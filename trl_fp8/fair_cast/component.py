@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl
+from .. import _trl, fourbit
 from ..components import Capability, check_choice
 from ..samplers import SyncLog, TransformersSampler
 from .callback import FairCastCallback
@@ -138,12 +138,16 @@ class FairCast(Capability):
         return True
 
     def _twin(self, trainer, model, units) -> torch.nn.Module:
-        """The in-process sampler: a twin of the policy (merged, for LoRA) in the served dtype. Its parameters are
+        """The in-process sampler: a twin of the policy (merged, for LoRA; dense, over a 4-bit base) in the served
+        dtype. Its parameters are
         the sampler's own tensors, written by a sync before each generation; buffers stay as they are (e.g. rotary
         frequencies in fp32, as inference engines keep them)."""
         from accelerate.utils import is_peft_model
 
-        twin = copy.deepcopy(model).merge_and_unload() if is_peft_model(model) else copy.deepcopy(model)
+        twin = copy.deepcopy(model)
+        if is_peft_model(model):
+            fourbit.unload_dense(twin)  # LoRA over a 4-bit base: merged exactly in fp32, never into the 4-bit weight
+            twin = twin.merge_and_unload()
         _trl.repatch_fused_head(trainer, twin)
         for p in twin.parameters():
             p.data = p.data.to(self.dtype)

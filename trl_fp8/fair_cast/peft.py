@@ -6,12 +6,18 @@ that served weight without changing PEFT's forward, the frozen base weight is se
 optimizer steps: the layer then computes ``(q - ΔW) x + ΔW x = q x`` (up to fp32 rounding of the unmerged
 forward), and the gradients of the LoRA factors are taken at the served weight (straight-through). The fp32 base
 ``W`` is kept aside and never changes.
+
+Over a bitsandbytes 4-bit base (QLoRA) the master is ``dequant(W) + ΔW`` (fp32, derived at each export: no copy of
+``W`` is kept) and the served copy is ``export(dequant(W) + ΔW)``. The loss is *not* moved onto the served copy
+there: a 4-bit weight cannot hold ``q - ΔW``, and a dense residual per layer would cost the memory QLoRA saves. The
+learner computes on its NF4 base + ΔW, which differs from the served weight by the export's rounding alone.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import fourbit
 from .served import ParamUnit
 
 PEFT_PREFIX = "base_model.model."
@@ -25,11 +31,14 @@ class LoraUnit:
 
     def __init__(self, name: str, layer):
         base = layer.get_base_layer()
+        self.base = base
+        self.four_bit = fourbit.is_4bit(base)
         weight = getattr(base, "weight", None)
-        if weight is None or weight.dtype != torch.float32:
+        if not self.four_bit and (weight is None or weight.dtype != torch.float32):
             raise TypeError(
-                f"Fair Cast needs an fp32 base weight in LoRA layer '{name}', got "
-                f"{None if weight is None else weight.dtype} (quantized or low-precision bases are not supported)."
+                f"Fair Cast needs an fp32 or bitsandbytes 4-bit base weight in LoRA layer '{name}', got "
+                f"{None if weight is None else weight.dtype} (other quantized or low-precision bases are not "
+                "supported)."
             )
         if any(layer.use_dora.get(a, False) for a in layer.active_adapters):
             raise ValueError(f"Fair Cast does not support DoRA (layer '{name}'): its forward is not W + ΔW.")
@@ -38,17 +47,21 @@ class LoraUnit:
         self.name = name
         self.layer = layer
         self.weight = weight
-        self.base_master = weight.detach().clone()
+        # A 4-bit base is its own master (dequantized at each export); a dense base is copied aside once.
+        self.base_master = None if self.four_bit else weight.detach().clone()
 
     @property
     def shape(self):
-        return self.weight.shape
+        return fourbit.weight_shape(self.base) if self.four_bit else self.weight.shape
 
     @property
     def device(self):
-        return self.weight.device
+        return self.base.weight.device
 
     def _delta(self) -> torch.Tensor:
+        if self.four_bit:  # fp32 from the factors (TRL keeps QLoRA factors in bf16)
+            delta = fourbit.lora_delta(self.layer)
+            return torch.zeros(self.shape, device=self.device) if delta is None else delta
         delta = torch.zeros_like(self.base_master)
         for adapter in self.layer.active_adapters:
             if adapter in self.layer.lora_A:
@@ -57,8 +70,9 @@ class LoraUnit:
 
     @property
     def master(self) -> torch.Tensor:
-        """The fp32 merged weight W + ΔW at the current LoRA factors."""
-        return self.base_master + self._delta()
+        """The fp32 merged weight W + ΔW at the current LoRA factors (W: dequantized, for a 4-bit base)."""
+        base = fourbit.dequantize(self.base, torch.float32) if self.four_bit else self.base_master
+        return base + self._delta()
 
     def capture(self) -> None:  # the master is derived from W and the live LoRA factors
         pass
@@ -67,6 +81,10 @@ class LoraUnit:
         pass
 
     def apply(self, served: torch.Tensor) -> None:
+        if self.four_bit:
+            # A 4-bit weight cannot hold served - ΔW: the learner keeps computing on its NF4 base + ΔW, which differs
+            # from the served weight by the export's rounding alone (half an ulp of the served dtype at most).
+            return
         self.weight.data.copy_(served.float() - self._delta())
 
 

@@ -137,7 +137,7 @@ class ServedCopy:
                 u.capture()
             self.export(step)
         self._apply(self.units)
-        self._prev_master = self._sample(self.master)
+        self._prev_master = self._sample({n: self.units[n].master for n in self._subset})
         self._prev_served = self._sample(self.served)
 
     @torch.no_grad()
@@ -173,7 +173,7 @@ class ServedCopy:
     @torch.no_grad()
     def metrics(self) -> dict[str, float]:
         """``visible_update_frac``, ``lag_steps`` and ``max_abs_err_ulps`` of the latest export (see README)."""
-        w = self._sample(self.master)
+        w = self._sample({n: self.units[n].master for n in self._subset})  # derived masters: only those sampled
         q = self._sample(self.served)
         out = {}
         if self._prev_served is not None:
