@@ -259,9 +259,12 @@ class FastQLoRA(Capability):
                    for a in layer.active_adapters if a in layer.lora_dropout):
                 logger.info("fast QLoRA: LoRA dropout is not applied to rollouts decoded through the rollout cache "
                             "(as an inference engine decodes them); the loss forward applies it as usual.")
-        return self.cache.active()
+        return self._cached(trainer)
 
-    def after_generation(self, trainer, completion_ids) -> None:
+    @contextlib.contextmanager
+    def _cached(self, trainer):
+        with self.cache.active():
+            yield
         _trl.record_metric(trainer, "qlora/cache_bytes", self.cache.bytes)
 
     # -- vLLM and the checks: what a sampler is sent --------------------------------------------------------------
