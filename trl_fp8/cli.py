@@ -135,12 +135,16 @@ def cmd_demo(argv: list[str]) -> int:
                    help="MXFP8 linear layers through torchao (emulated on CPU: about 3.5x slower)")
     p.add_argument("--sync-checks", default=defaults.sync_checks,
                    help="weight-sync checks: default, all, off, or comma-separated names (default: %(default)s)")
+    p.add_argument("--qlora", nargs="?", const="fast", default=None, choices=["fast", "plain"],
+                   help="train LoRA adapters on a 4-bit (NF4) base: 'fast' (the default with the flag: trl_fp8's fast "
+                   "QLoRA) or 'plain' (TRL's QLoRA, for comparison); learning rate "
+                   f"{defaults.lora_learning_rate:g}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.error = _raise_usage_error
     args = p.parse_args(argv)
     settings = DemoSettings(output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed,
                             fair_cast=args.fair_cast, duet_budget=args.duet, mxfp8=args.mxfp8,
-                            sync_checks=args.sync_checks, progress=not args.no_progress)
+                            sync_checks=args.sync_checks, progress=not args.no_progress, qlora=args.qlora)
     try:
         check_settings(settings)  # every value, before the model is loaded
     except ValueError as err:

@@ -102,6 +102,26 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
             Regular expressions (searched in module names) of linear layers kept in high precision on both sides.
             Default: the output head, embeddings and MoE router gates (`lm_head`, `embed`, a module named `gate` or
             `router` — not `gate_proj`).
+
+        > trl_fp8: fast QLoRA
+
+        fast_qlora (`str`, *optional*, defaults to `"off"`):
+            For a policy loaded with `BitsAndBytesConfig(load_in_4bit=True)` and trained with LoRA adapters: `"off"`
+            (TRL's QLoRA), `"auto"` (on when the policy has LoRA layers over 4-bit bases) or `"on"` (refuse to start
+            without them). Keeps the highest-error 4-bit layers dense, decodes rollouts through a dense
+            `dequant(W) + ΔW` cache, and sends a vLLM engine 16-bit merged weights instead of TRL's 4-bit merge.
+        qlora_keep_budget_gb (`float`, *optional*, defaults to `0.25`):
+            GiB of dense copies (in the layers' compute dtype) of the 4-bit layers with the highest estimated NF4
+            error per byte; those never dequantize again. `0` keeps none.
+        qlora_rollout_cache_gb (`float`, *optional*):
+            GiB of dense weights kept for one in-process generation call; `0` disables the cache. Default: the free
+            memory minus max(2 GiB, 25%), at most 8 GiB.
+        qlora_cache_dtype (`str`, *optional*, defaults to `"auto"`):
+            Dtype of the rollout cache: `"auto"` (GPU: the layers' compute dtype; CPU: bfloat16 where the CPU
+            computes it natively, else the compute dtype), `"float32"`, `"bfloat16"` or `"float16"`.
+        qlora_adapter_layers (`str`, *optional*, defaults to `"all"`):
+            `"all"`, or k: only the adapters of the top k transformer blocks train (the blocks below are frozen and
+            backward stops above them).
     """
 
     def __post_init__(self):

@@ -36,6 +36,11 @@ class DemoSettings:
     fair_cast: str = "stochastic"
     duet_budget: float | None = None  # None: DUET off; else its budget β
     mxfp8: bool = False  # MXFP8 linear layers (emulated on CPU: about 3.5x slower)
+    qlora: str | None = None  # None: full fine-tuning; "fast": NF4 base + LoRA with fast QLoRA; "plain": TRL's QLoRA
+    lora_learning_rate: float = 1e-3  # the learning rate with qlora (adapters train, the base is frozen)
+    # dense copies for fast QLoRA, sized to the tiny demo model (about half of its 4-bit layers; the field's default,
+    # 0.25 GiB, would keep every layer of a model this small)
+    qlora_keep_budget_gb: float = 0.0001
     sync_checks: str = "default"
     progress: bool = True
 
@@ -50,6 +55,10 @@ class DemoSettings:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if self.qlora not in (None, "fast", "plain"):
+            raise ValueError(f"qlora must be None, 'fast' or 'plain', got {self.qlora!r}")
+        if not self.lora_learning_rate > 0:
+            raise ValueError(f"lora_learning_rate must be > 0, got {self.lora_learning_rate!r}")
 
 
 class _ProgressCallback(TrainerCallback):
@@ -92,7 +101,7 @@ def build_demo_config(settings: DemoSettings, **overrides):
         use_cpu=True,
         bf16=False,
         max_steps=settings.max_steps,
-        learning_rate=settings.learning_rate,
+        learning_rate=settings.lora_learning_rate if settings.qlora else settings.learning_rate,
         lr_scheduler_type="constant",
         warmup_steps=0,
         per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
@@ -112,11 +121,30 @@ def build_demo_config(settings: DemoSettings, **overrides):
         duet_budget=settings.duet_budget if settings.duet_budget is not None else 0.5,
         mxfp8=settings.mxfp8,
         sync_checks=settings.sync_checks,
+        fast_qlora="on" if settings.qlora == "fast" else "off",
+        qlora_keep_budget_gb=settings.qlora_keep_budget_gb,
         metrics_jsonl=str(out / "metrics.jsonl"),
         dataloader_num_workers=0,
     )
+    if settings.qlora:
+        kwargs["model_init_kwargs"] = {"quantization_config": qlora_quantization_config(), "dtype": "float32"}
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
+
+
+def qlora_quantization_config():
+    """The demo's 4-bit base: NF4 weights, fp32 compute (CPU), as TRL's QLoRA scripts load it."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+
+
+def qlora_peft_config():
+    """The demo's adapters: LoRA r=16 on every linear layer."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
 
 
 def check_settings(settings: DemoSettings, **overrides):
@@ -151,6 +179,17 @@ def summarize(metrics_path: str | os.PathLike, key: str = "rewards/correctness_r
     return summary
 
 
+def summarize_qlora(metrics_path: str | os.PathLike) -> dict:
+    """Mean dequantizations per step and mean rollout-cache bytes of a fast-QLoRA run (empty for TRL's QLoRA)."""
+    records = read_metrics(metrics_path)
+    out = {}
+    for name, key in (("qlora/dequant_calls", "dequant_calls_per_step"), ("qlora/cache_bytes", "cache_bytes")):
+        _, values = series(records, name)
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
 def run_demo(settings: DemoSettings | None = None, **config_overrides) -> dict:
     """Run the demo and return its summary (also written to ``summary.json``)."""
     from ..tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
@@ -173,12 +212,15 @@ def run_demo(settings: DemoSettings | None = None, **config_overrides) -> dict:
         args=args,
         train_dataset=dataset,
         callbacks=[_ProgressCallback(settings.progress)],
+        peft_config=qlora_peft_config() if settings.qlora else None,
     )
     # The compact bar replaces the metrics dict that the default printer writes at every step.
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
+    qlora = trainer.capability("fast_qlora")
+    kept = qlora.kept_layers() if qlora is not None else None
     trainer.train()
     elapsed = time.perf_counter() - start
     model_dir = out / "model"
@@ -193,6 +235,10 @@ def run_demo(settings: DemoSettings | None = None, **config_overrides) -> dict:
         "model": str(model_dir),
         **summarize(metrics_path),
     }
+    if settings.qlora:
+        summary["qlora"] = {"mode": settings.qlora, **summarize_qlora(metrics_path)}
+        if kept is not None:
+            summary["qlora"]["kept_layers"] = kept
     tmp = out / ".summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, out / "summary.json")
@@ -213,6 +259,14 @@ def format_summary(summary: dict) -> str:
         failed = sum(c["failed"] for c in checks.values())
         runs = sum(c["runs"] for c in checks.values())
         lines.append(f"  weight-sync checks: {runs} run, {failed} failed ({', '.join(checks)})")
+    if "qlora" in summary:
+        q = summary["qlora"]
+        if q["mode"] == "plain":
+            lines.append("  QLoRA: NF4 base + LoRA, as TRL runs it (fast QLoRA off)")
+        else:
+            lines.append(f"  fast QLoRA: {len(q.get('kept_layers', []))} layers kept dense, "
+                         f"{q.get('dequant_calls_per_step', 0):.0f} dequantizations per step, rollout cache "
+                         f"{q.get('cache_bytes', 0) / 2**20:.1f} MiB")
     lines.append(f"  metrics: {summary['metrics']}")
     for p in summary["plots"]:
         lines.append(f"  plot:    {p}")
