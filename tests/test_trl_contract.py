@@ -18,6 +18,7 @@ FINGERPRINTS = {
     "trl.trainer.utils.add_fused_lm_head": "c309684c7d7599a8",
     "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": "2d382cc98ed2cf89",
     "trl.generation.vllm_generation.VLLMGeneration.sync_weights": "853d90c2502df41c",
+    "trl.generation.vllm_generation.VLLMGeneration._init_vllm": "89e22930922d1fc5",
 }
 # Other TRL callables trl_fp8 calls, with the parameters it passes.
 CALLED = {

@@ -58,6 +58,9 @@ MIRRORED = {
     "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": "the stream a sync sends (names, tensors)",
     "trl.generation.vllm_generation.VLLMGeneration.sync_weights":
         "streams _iter_named_params() into load_weights / the client, then resets the prefix cache",
+    "trl.generation.vllm_generation.VLLMGeneration._init_vllm":
+        "colocate builds the engine by calling the module global LLM with keyword arguments, "
+        "quantization='bitsandbytes' for a 4-bit policy (plain_cpu_linears and dense_engine rewrite them)",
 }
 # Module globals of other packages that trl_fp8 patches (only inside plain_cpu_linears, restored after).
 PATCHED_GLOBALS = (
@@ -285,11 +288,14 @@ def dense_engine():
 
 
 def vllm_engine_quantization(generation) -> str | None:
-    """The quantization a colocated engine was started with (None: none, or a server engine, not readable here)."""
-    if generation.mode != "colocate":
-        return None
-    config = getattr(getattr(generation.llm, "llm_engine", None), "model_config", None)
-    return getattr(config, "quantization", None)
+    """The quantization a TRL vLLM engine was started with (colocate: its model config; server: its info endpoint,
+    read on the main process); None: none, or not readable here."""
+    if generation.mode == "colocate":
+        config = getattr(getattr(generation.llm, "llm_engine", None), "model_config", None)
+        return getattr(config, "quantization", None)
+    if generation.accelerator.is_main_process:
+        return generation.vllm_client.get_server_info()["model_config"].get("quantization")
+    return None
 
 
 @contextlib.contextmanager

@@ -271,7 +271,8 @@ class FastQLoRA(Capability):
     @torch.no_grad()
     def export_stream(self, dtype: torch.dtype | None = None):
         """``(served name, tensor)`` of the merged model: ``dequant(W) + ΔW`` for each LoRA layer (never merged into
-        the 4-bit weight), every other parameter as it is; cast to ``dtype`` when given. Names as
+        the 4-bit weight), ``dequant(W)`` for a 4-bit linear without adapters, every other parameter as it is; cast
+        to ``dtype`` when given. Names as
         ``merge_and_unload()`` names them (PEFT prefix and ``.base_layer`` removed)."""
         from peft.tuners.lora import LoraLayer
 
@@ -290,11 +291,19 @@ class FastQLoRA(Capability):
                 if getattr(base, "bias", None) is not None:
                     yield prefix + ".bias", base.bias.detach().to(dtype or base.bias.dtype)
         lora_owned = {id(p) for m in self.model.modules() if isinstance(m, LoraLayer) for p in m.parameters()}
+        # 4-bit linears without adapters (e.g. LoraConfig(target_modules=["q_proj", "v_proj"])): their parameter
+        # holds packed 4-bit codes, meaningless to a 16-bit engine; they are sent dequantized.
+        fourbit_weights = {id(m.weight): m for m in self.model.modules() if fourbit.is_4bit(m)}
         for name, param in self.model.named_parameters():
             if id(param) in lora_owned:
                 continue
             if ".modules_to_save." in name or ".original_module." in name:
                 raise ValueError(f"fast QLoRA with vLLM does not support PEFT modules_to_save (parameter '{name}').")
+            module = fourbit_weights.get(id(param))
+            if module is not None:
+                self.counter.count_explicit()
+                yield _served_name(name), fourbit.dequantize(module).to(dtype or fourbit.compute_dtype(module))
+                continue
             yield _served_name(name), param.detach().to(dtype or param.dtype)
 
     # -- metrics -------------------------------------------------------------------------------------------------
