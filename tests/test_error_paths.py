@@ -103,8 +103,8 @@ def test_fair_cast_refuses_a_lora_model_with_a_bf16_base(tmp_path, tiny_model_di
 
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
     with pytest.raises(TypeError, match=re.escape(
-            "Fair Cast needs an fp32 base weight in LoRA layer 'model.layers.0.self_attn.q_proj.weight', got "
-            "torch.bfloat16")):
+            "Fair Cast needs an fp32 or bitsandbytes 4-bit base weight in LoRA layer "
+            "'model.layers.0.self_attn.q_proj.weight', got torch.bfloat16")):
         _trainer(tmp_path, _load(tiny_model_dir, torch.bfloat16), peft_config=lora, fair_cast="rtn")
 
 

@@ -43,9 +43,12 @@ def test_kept_layers_compute_bit_for_bit_the_same_and_undo_restores_the_4bit_mod
     assert grads0.keys() == grads1.keys()
     for name in grads0:
         assert torch.equal(grads0[name], grads1[name]), name
+    dense = {id(layer.base_layer) for layer, _ in edits.kept}
     edits.undo()
     assert all(layer.base_layer is originals[name] for name, layer in layers)
     assert edits.kept_bytes == 0
+    edits.keep_dense(dict(layers), chosen)  # a second train(): the very same dense modules come back
+    assert {id(layer.base_layer) for layer, _ in edits.kept} == dense
 
 
 def test_speed_mode_trains_the_top_blocks_and_backward_stops_below_them():

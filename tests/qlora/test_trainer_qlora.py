@@ -193,6 +193,20 @@ def test_fair_cast_serves_export_of_dequant_plus_delta_and_the_checks_pass(tmp_p
     assert torch.count_nonzero(trainer.model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight)
 
 
+def test_fair_cast_with_adapters_on_some_layers_serves_the_other_4bit_layers_dequantized(tmp_path, demo_dir):
+    trainer = _trainer(tmp_path, demo_dir, fair_cast="stochastic", sync_checks="all", qlora_keep_budget_gb=0,
+                       peft_config=_lora(target_modules=["q_proj", "v_proj"]), max_steps=2)
+    served = trainer.capability("fair_cast").served
+    down = served.units["model.layers.0.mlp.down_proj.weight"]
+    assert type(down).__name__ == "FourBitUnit" and not down.trainable
+    trainer.train()
+    assert all(v == 1.0 for v in _history(trainer, "sync/coverage"))
+    module = trainer.model.base_model.model.model.layers[0].mlp.down_proj
+    twin = trainer.capability("fair_cast").sampler.model
+    # frozen: exported once (stochastic rounding of dequant(W) at the first export), and served as it is
+    assert (twin.model.layers[0].mlp.down_proj.weight.float() - fourbit.dequantize(module)).abs().max() < 2**-7
+
+
 def test_stochastic_export_of_a_4bit_lora_layer_is_unbiased():
     from tests.qlora.conftest import load_4bit_demo
     from trl_fp8.fair_cast.peft import LoraUnit

@@ -242,14 +242,7 @@ def test_fast_qlora_serves_dequant_plus_delta_to_a_16bit_engine(tmp_path, demo_d
 
 @pytest.mark.parametrize("keep_budget", [
     DEFAULT_BUDGET,  # every demo LoRA layer kept dense: Fair Cast's master is dequant(W) + ΔW in fp32
-    pytest.param(0, marks=pytest.mark.skip(
-        # TODO(fair_cast over 4-bit): trl_fp8/fair_cast/peft.py LoraUnit refuses a bitsandbytes Linear4bit base
-        # ("TypeError: Fair Cast needs an fp32 base weight ... got torch.uint8"). Missing: a LoraUnit whose master
-        # is fourbit.dequantize(base) + ΔW and whose apply() leaves the 4-bit weight alone, and lora_units()
-        # serving a 4-bit linear without adapters dequantized (its ParamUnit would hold the packed codes).
-        # Un-skip when that lands; the assertions below are the same.
-        reason="Fair Cast over a 4-bit base (qlora_keep_budget_gb=0): LoraUnit does not support a Linear4bit base "
-               "yet (trl_fp8/fair_cast/peft.py)")),
+    0,  # LoRA over real 4-bit bases: the master is dequant(W) + ΔW, derived at each export
 ], ids=["kept-dense", "4bit-bases"])
 def test_fair_cast_over_a_4bit_base_serves_a_16bit_engine(tmp_path, demo_dir, keep_budget):
     import trl_fp8

@@ -88,6 +88,37 @@ class LoraUnit:
         self.weight.data.copy_(served.float() - self._delta())
 
 
+class FourBitUnit:
+    """A frozen bitsandbytes 4-bit linear without adapters: served as ``export(dequant(W))``, exported once."""
+
+    trainable = False
+
+    def __init__(self, name: str, module):
+        self.name = name
+        self.module = module
+
+    @property
+    def shape(self):
+        return fourbit.weight_shape(self.module)
+
+    @property
+    def device(self):
+        return self.module.weight.device
+
+    @property
+    def master(self) -> torch.Tensor:
+        return fourbit.dequantize(self.module, torch.float32)
+
+    def capture(self) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+    def apply(self, served: torch.Tensor) -> None:  # the 4-bit weight stays as it is (see the module docstring)
+        pass
+
+
 def _served_name(name: str) -> str:
     if name.startswith(PEFT_PREFIX):
         name = name[len(PEFT_PREFIX):]
@@ -95,18 +126,23 @@ def _served_name(name: str) -> str:
 
 
 def lora_units(peft_model) -> list:
-    """One unit per tensor of the merged model: :class:`LoraUnit` for LoRA layers, :class:`ParamUnit` else.
+    """One unit per tensor of the merged model: :class:`LoraUnit` for LoRA layers, :class:`FourBitUnit` for 4-bit
+    linears without adapters, :class:`ParamUnit` else.
 
     Names are those of ``merge_and_unload()``'s parameters (PEFT prefix and ``.base_layer`` removed).
     """
     from peft.tuners.lora import LoraLayer
 
     units, lora_weights = [], set()
+    lora_bases = {id(m.get_base_layer()) for m in peft_model.modules() if isinstance(m, LoraLayer)}
     for module_name, module in peft_model.named_modules():
         if isinstance(module, LoraLayer):
             unit = LoraUnit(_served_name(module_name) + ".weight", module)
             units.append(unit)
             lora_weights.add(id(unit.weight))
+        elif fourbit.is_4bit(module) and id(module) not in lora_bases:
+            units.append(FourBitUnit(_served_name(module_name) + ".weight", module))
+            lora_weights.add(id(module.weight))
     for name, param in peft_model.named_parameters():
         if id(param) in lora_weights or any(f".{t}." in name for t in LORA_PARAM_TOKENS):
             continue

@@ -6,9 +6,10 @@
   their delta is exactly zero (a fresh adapter), skipped; the output of the highest frozen block is cut from the
   graph, so backward stops where no block trains.
 
-Every change is recorded and undone by :meth:`PolicyEdits.undo` (the 4-bit modules are kept aside: a 4-bit weight
-costs a quarter of a 16-bit one), so after training the policy is the user's QLoRA model again — adapter files
-complete, 4-bit bases in place.
+Every change is recorded and undone by :meth:`PolicyEdits.undo` (the 4-bit modules are kept aside while the dense
+copies serve), so after training the policy is the user's QLoRA model again — adapter files complete, 4-bit bases in
+place. The dense copies are kept for a later ``train()`` (which re-applies the same modules: a capability holding
+one, e.g. Fair Cast's served unit, stays valid); they go with the trainer.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class PolicyEdits:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.kept: list[tuple[object, torch.nn.Module]] = []  # (LoRA layer, its 4-bit base kept aside)
+        self._dense: dict[str, torch.nn.Module] = {}  # the dense copies, by layer name, reused when re-applied
         self.kept_bytes = 0
         self.frozen: list[tuple[torch.nn.Parameter, bool]] = []
         self.skipped: list[object] = []
@@ -87,7 +89,10 @@ class PolicyEdits:
             base = layer.base_layer
             if not fourbit.is_4bit(base):
                 continue
-            layer.base_layer = fourbit.DenseBase.from_4bit(base, cost.name)
+            dense = self._dense.get(cost.name)  # a second train(): the same dense modules (others may hold them)
+            if dense is None:
+                dense = self._dense[cost.name] = fourbit.DenseBase.from_4bit(base, cost.name)
+            layer.base_layer = dense
             self.kept.append((layer, base))
             self.kept_bytes += cost.dense_bytes
 
