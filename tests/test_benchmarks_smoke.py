@@ -7,18 +7,43 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WITH_PLOT = {"fair_cast_lag.py", "duet_budget.py"}  # scripts that also write a plot (--output)
 
 
-@pytest.mark.parametrize("script, headline", [
-    ("mxfp8_consistency.py", "mxfp8_matched_gap_bf16act:"),
-    ("fair_cast_lag.py", "rtn_lag_over_sr_lag:"),
-    ("duet_budget.py", "duet05_tokens_to_target_over_grpo:"),
+@pytest.mark.parametrize("script, headline, expected", [
+    ("mxfp8_consistency.py", "mxfp8_matched_gap_bf16act:", ()),
+    ("fair_cast_lag.py", "rtn_lag_over_sr_lag:", ()),
+    ("duet_budget.py", "duet05_tokens_to_target_over_grpo:", ()),
+    ("qlora_speed.py", "qlora_step_ratio_vs_lora16:",
+     ("(b) QLoRA (TRL today)", "generation time, speed-up (b)/(c):", "dequantizations per step (b)/(c):",
+      "losses identical True, adapter weights after the steps identical True", "greedy completions identical")),
 ])
-def test_benchmark_quick_mode(tmp_path, script, headline):
+def test_benchmark_quick_mode(tmp_path, script, headline, expected):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"]
-    if script != "mxfp8_consistency.py":
+    if script in WITH_PLOT:
         cmd += ["--output", str(tmp_path / "plot.png")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.rstrip().splitlines()[-1].startswith(headline)
+    last = result.stdout.rstrip().splitlines()[-1]
+    assert last.startswith(headline)
+    value = last.removeprefix(headline).strip()
+    if value != "n/a":  # a script may have nothing to divide by in a smoke run, and says so
+        float(value)
+    for text in expected:
+        assert text in result.stdout, text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reps", "2"], "--reps must be >= 5"),
+    (["--hidden", "100"], "--hidden must be a positive multiple of 64"),
+    (["--layers", "0"], "--layers must be >= 1"),
+    (["--steps", "1"], "--steps must be >= 2"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--cache-gb", "-1"], "--cache-gb must be a number of GiB >= 0"),
+])
+def test_qlora_speed_rejects_bad_arguments(argv, message):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "qlora_speed.py"), *argv],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
