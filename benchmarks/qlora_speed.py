@@ -13,7 +13,10 @@ batch and seed:
     (c) fast    the same 4-bit load with fast_qlora="on": qlora_keep_budget_gb=--keep-gb (default 0.25, the
                 field's default: dense copies of the highest-error layers; about half of the default model's),
                 qlora_rollout_cache_gb=--cache-gb (default 1.0, set so the memory goal has a stated budget; the
-                field's default is automatic), qlora_cache_dtype="auto" (bf16 on an AVX512-BF16/AMX CPU)
+                field's default is automatic), qlora_cache_dtype = the compute dtype, so that all arms compute
+                at the same activation precision (like for like: the headline)
+    (c') fast_auto  the same with qlora_cache_dtype="auto" (bf16 rollouts on an AVX512-BF16/AMX CPU: faster, but
+                not like for like with (a) and (b); reported beside, not in the headline)
 
 Each step: 8 completions (4 per prompt) of exactly 64 tokens. LoRA r=16, alpha=32, dropout 0, on every linear;
 gradient checkpointing off in every arm (with it on, (b) would dequantize each layer once more per step); lr 1e-4,
@@ -70,8 +73,9 @@ from dataclasses import dataclass, field, replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ARMS = ("lora16", "qlora", "fast")
-ARM_LABELS = {"lora16": "(a) 16-bit LoRA", "qlora": "(b) QLoRA (TRL today)", "fast": "(c) trl_fp8 fast QLoRA"}
+ARMS = ("lora16", "qlora", "fast", "fast_auto")
+ARM_LABELS = {"lora16": "(a) 16-bit LoRA", "qlora": "(b) QLoRA (TRL today)", "fast": "(c) trl_fp8 fast QLoRA",
+              "fast_auto": "(c') fast, cache auto"}
 HEAD_DIM = 64
 VOCAB = 128  # the character tokenizer's 99 tokens, padded as the demo model pads them
 DELTA_NORM = 0.01  # ‖ΔW‖ / ‖dequant(W)‖ of the adapters the budgets-on comparison installs
@@ -164,8 +168,11 @@ def grpo_config(arm: str, setup: Setup, output_dir: str, seed: int, **overrides)
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                    bnb_4bit_compute_dtype=setup.torch_dtype)
         kwargs["model_init_kwargs"] = {"quantization_config": quant, "dtype": setup.torch_dtype}
-    if arm == "fast":
-        kwargs.update(fast_qlora="on", qlora_keep_budget_gb=setup.keep_gb, qlora_rollout_cache_gb=setup.cache_gb)
+    if arm in ("fast", "fast_auto"):
+        # (c) caches in the compute dtype, so that every arm computes at the same activation precision; (c') lets
+        # qlora_cache_dtype="auto" pick (bf16 rollouts on a CPU with native bf16: faster, not like for like)
+        kwargs.update(fast_qlora="on", qlora_keep_budget_gb=setup.keep_gb, qlora_rollout_cache_gb=setup.cache_gb,
+                      qlora_cache_dtype=setup.dtype if arm == "fast" else "auto")
     kwargs.update(overrides)
     return trl_fp8.GRPOConfig(**kwargs)
 
@@ -547,6 +554,8 @@ def run_comparison(setup: Setup, log=None) -> dict:
 
         results["budgets_on"] = [equivalence_budgets_on(runs["qlora"], runs["fast"], setup, s)
                                  for s in range(setup.seeds)]
+        results["budgets_on_auto"] = [equivalence_budgets_on(runs["qlora"], runs["fast_auto"], setup, s)
+                                      for s in range(setup.seeds)]
         for run in runs.values():
             run.close()
         results["budgets_zero"] = [equivalence_budgets_zero(setup, model_dir, workdir, s)
@@ -624,13 +633,19 @@ def report(results: dict, out=print, strict: bool = True) -> None:
     out(f"budgets 0, (c) vs (b), bit for bit over {len(zero)} seed(s) × {zero[0]['steps']} steps: losses identical "
         f"{all(z['losses_equal'] for z in zero)}, adapter weights after the steps identical "
         f"{all(z['weights_equal'] for z in zero)} (losses seed 0: {', '.join(f'{x:.3g}' for x in zero[0]['losses'])})")
-    on = results["budgets_on"]
-    identical = sum(e["identical"] * e["rows"] for e in on) / sum(e["rows"] for e in on)
-    out(f"budgets on, (c) vs (b), same adapters (‖ΔW‖/‖W‖ {statistics.median(e['delta'] for e in on):.3f}), "
-        f"{len(on)} seed(s) × {on[0]['rows']} prompts: greedy completions identical {identical:.0%} (mean identical "
-        f"prefix {statistics.mean(e['prefix'] for e in on):.1f} of {setup.completion} tokens); max per-token "
-        f"|Δ logprob| on (b)'s sequences: rollout path (cache {on[0]['cache_dtype']}) "
-        f"{max(e['rollout_gap'] for e in on):.3g}, loss path {max(e['loss_gap'] for e in on):.3g}")
+    for key, label in (("budgets_on", "(c)"), ("budgets_on_auto", "(c')")):
+        on = results[key]
+        identical = sum(e["identical"] * e["rows"] for e in on) / sum(e["rows"] for e in on)
+        out(f"budgets on, {label} vs (b), same adapters (‖ΔW‖/‖W‖ {statistics.median(e['delta'] for e in on):.3f}), "
+            f"{len(on)} seed(s) × {on[0]['rows']} prompts: greedy completions identical {identical:.0%} (mean "
+            f"identical prefix {statistics.mean(e['prefix'] for e in on):.1f} of {setup.completion} tokens); max "
+            f"per-token |Δ logprob| on (b)'s sequences: rollout path (cache {on[0]['cache_dtype']}) "
+            f"{max(e['rollout_gap'] for e in on):.3g}, loss path {max(e['loss_gap'] for e in on):.3g}")
+    auto_gen = _ratio_median(per_rep, "qlora", "fast_auto", "gen")
+    auto_step = _ratio_median(per_rep, "fast_auto", "lora16", "step")
+    out(f"(c') cache dtype auto ({results['budgets_on_auto'][0]['cache_dtype']}): generation speed-up over (b) "
+        f"{_fmt(auto_gen)}, step time (c')/(b) {_fmt(_ratio_median(per_rep, 'fast_auto', 'qlora', 'step'))}, "
+        f"(c')/(a) {_fmt(auto_step)} (rollout activations in the cache dtype: not like for like with (a))")
 
     budget = (setup.keep_gb + setup.cache_gb) * GIB
     goals = [
