@@ -3,7 +3,7 @@
 What only a GPU can show. It prints:
 
 1. the comparison of ``benchmarks/qlora_speed.py`` on CUDA with bf16 compute -- (a) 16-bit LoRA, (b) QLoRA as TRL
-   runs it, (c) trl_fp8 fast QLoRA: GRPO step and generation time, memory (``torch.cuda`` allocated bytes),
+   runs it, (c) trl_fp8 fast QLoRA (and (c'), its cache dtype "auto", the same bf16 on a GPU): GRPO step and generation time, memory (``torch.cuda`` allocated bytes),
    dequantizations per step, and the equivalence figures -- on a random-weight Qwen2 shaped like Qwen2-0.5B (24
    blocks, hidden 896, MLP 4864, 14 heads of 64, 2 KV heads; the character tokenizer's 128-slot vocabulary instead
    of 151,936: 358M parameters, 716 MB in bf16). The budgets-0 comparison is reported, not asserted: CUDA kernels
@@ -35,8 +35,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-# Qwen2-0.5B's shape (vocabulary aside). Sized for ~5 minutes on one H200 (an estimate: never run there yet): 5
-# trainer builds and ~60 GRPO steps of 8 × 64 tokens; --reps/--steps/--seeds trade figures for time.
+# Qwen2-0.5B's shape (vocabulary aside). Sized for ~6 minutes on one H200 (an estimate: never run there yet): 6
+# trainer builds and ~80 GRPO steps of 8 × 64 tokens; --reps/--steps/--seeds trade figures for time.
 DEVICE_SETUP = dict(device="cuda", dtype="bfloat16", layers=24, hidden=896, intermediate=4864, reps=5, steps=3,
                     seeds=1)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
