@@ -62,7 +62,8 @@ MIRRORED = {
         "colocate builds the engine by calling the module global LLM with keyword arguments, "
         "quantization='bitsandbytes' for a 4-bit policy (plain_cpu_linears and dense_engine rewrite them)",
 }
-# Module globals of other packages that trl_fp8 patches (only inside plain_cpu_linears, restored after).
+# Module globals of other packages that trl_fp8 patches (only inside plain_cpu_linears and dense_engine, while TRL
+# builds its engine; restored after).
 PATCHED_GLOBALS = (
     "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",
     "trl.generation.vllm_generation.LLM",

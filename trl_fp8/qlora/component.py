@@ -272,8 +272,8 @@ class FastQLoRA(Capability):
     def export_stream(self, dtype: torch.dtype | None = None):
         """``(served name, tensor)`` of the merged model: ``dequant(W) + ΔW`` for each LoRA layer (never merged into
         the 4-bit weight), ``dequant(W)`` for a 4-bit linear without adapters, every other parameter as it is; cast
-        to ``dtype`` when given. Names as
-        ``merge_and_unload()`` names them (PEFT prefix and ``.base_layer`` removed)."""
+        to ``dtype`` when given. Names as ``merge_and_unload()`` names them (PEFT prefix and ``.base_layer``
+        removed)."""
         from peft.tuners.lora import LoraLayer
 
         for module_name, module in self.model.named_modules():
