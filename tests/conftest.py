@@ -6,6 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.pop("TRL_FP8_TIME_BUDGET", None)  # a budget in the caller's environment would reach every config
 # Fair Cast's compiled kernels go to a private temporary cache, never the user's home.
 os.environ.setdefault("TRL_FP8_CACHE", __import__("tempfile").mkdtemp(prefix="trl_fp8_kernels_"))
 

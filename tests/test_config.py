@@ -38,7 +38,7 @@ def test_defaults_leave_trl_fields_untouched(tmp_path):
         "sync_checks": "default", "sync_check_interval": 1, "sync_check_action": "raise",
         "mxfp8": False, "mxfp8_kernel": "auto", "mxfp8_exclude": [r"(^|\.)lm_head$", "embed", r"(^|\.)(router|gate)$"],
         "fast_qlora": "off", "qlora_keep_budget_gb": 0.25, "qlora_rollout_cache_gb": None, "qlora_cache_dtype": "auto",
-        "qlora_adapter_layers": "all",
+        "qlora_adapter_layers": "all", "time_budget": None, "time_budget_margin": None, "time_budget_scope": "session",
     }
 
 

@@ -19,6 +19,7 @@ FINGERPRINTS = {
     "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": "2d382cc98ed2cf89",
     "trl.generation.vllm_generation.VLLMGeneration.sync_weights": "853d90c2502df41c",
     "trl.generation.vllm_generation.VLLMGeneration._init_vllm": "89e22930922d1fc5",
+    "transformers.trainer.Trainer._maybe_log_save_evaluate": "601752c0cc87e581",
 }
 # Other TRL callables trl_fp8 calls, with the parameters it passes.
 CALLED = {

@@ -61,6 +61,9 @@ MIRRORED = {
     "trl.generation.vllm_generation.VLLMGeneration._init_vllm":
         "colocate builds the engine by calling the module global LLM with keyword arguments, "
         "quantization='bitsandbytes' for a 4-bit policy (plain_cpu_linears and dense_engine rewrite them)",
+    "transformers.trainer.Trainer._maybe_log_save_evaluate":
+        "log, then evaluate, then _save_checkpoint followed by on_save: the time budget measures a save from the last "
+        "event before it (step end, on_log or on_evaluate) to on_save",
 }
 # Module globals of other packages that trl_fp8 patches (only inside plain_cpu_linears and dense_engine, while TRL
 # builds its engine; restored after).

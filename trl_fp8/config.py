@@ -122,6 +122,22 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
         qlora_adapter_layers (`str`, *optional*, defaults to `"all"`):
             `"all"`, or k: only the adapters of the top k transformer blocks train (the blocks below are frozen and
             backward stops above them).
+
+        > trl_fp8: time budget
+
+        time_budget (`str` or `float`, *optional*):
+            Wall-clock budget: seconds, or `"11h30m"`, `"90m"`, `"45s"`, `"1h"`, `"1d2h"`, `"11:30:00"`. Before it
+            runs out (with the expected time of the next step and of a save, measured), a complete checkpoint is
+            saved — even with `save_strategy="no"` — and training stops cleanly; a SIGTERM takes the same path at
+            the end of the step in flight. Counted from the start of the process (a notebook's kernel). When unset,
+            read from the environment variable `TRL_FP8_TIME_BUDGET`; `None`/`"off"`: no budget. The time used is
+            stored in each checkpoint and accumulates across resumes (`budget/elapsed_s`).
+        time_budget_margin (`str` or `float`, *optional*):
+            Time kept free after the final checkpoint is written (same forms). Default: 5% of the budget, at most
+            1 minute.
+        time_budget_scope (`str`, *optional*, defaults to `"session"`):
+            `"session"`: the budget limits this process (one Colab/Kaggle session; each resumed session gets it
+            anew); `"total"`: the run's time summed over every session.
     """
 
     def __post_init__(self):

@@ -176,6 +176,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 continue
             path = os.path.join(checkpoint, capability.state_file)
             if not os.path.isfile(path):
+                if capability.state_optional:  # e.g. the time budget: none used before this session
+                    continue
                 raise ValueError(
                     f"Resuming with {capability.name} on from {checkpoint}, which has no {capability.state_file} (it "
                     f"was not written by a {capability.name} run): its state cannot be restored. Resume with the "
