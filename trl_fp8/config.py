@@ -15,6 +15,7 @@ from trl import GRPOConfig as _TRLGRPOConfig
 
 from .capabilities import CAPABILITIES
 from .components import check_choice  # noqa: F401  (re-exported: part of trl_fp8.config's API)
+from .precision import PrecisionArgs, resolve_precision
 
 
 @dataclass
@@ -28,7 +29,7 @@ class ReportingArgs:
     )
 
 
-_MIXINS = (ReportingArgs,) + tuple(c.Args for c in CAPABILITIES if c.Args is not None)
+_MIXINS = (ReportingArgs, PrecisionArgs) + tuple(c.Args for c in CAPABILITIES if c.Args is not None)
 # Names of the fields trl_fp8 adds on top of trl.GRPOConfig (every field of the capabilities' mixins).
 TRL_FP8_FIELDS: tuple[str, ...] = tuple(f.name for mixin in _MIXINS for f in fields(mixin))
 
@@ -44,6 +45,16 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
         metrics_jsonl (`str`, *optional*):
             Path of a JSON-lines file to which every logged metrics record is appended (one JSON object per
             line, with `step` and `epoch`), on the main process only. `None` (default) writes nothing.
+
+        > trl_fp8: precision
+
+        precision (`str`, *optional*):
+            `"auto"`: bf16 on GPUs with native bf16 (compute capability >= 8.0), fp16 autocast over fp32 master
+            weights on older GPUs (T4, V100) — with a colocated vLLM engine started in `dtype="half"` and Fair Cast's
+            `served_dtype="float16"` — and fp32 on CPU; decided from the compute capability, not from
+            `torch.cuda.is_bf16_supported()` (True on a T4 through emulation). Or `"bf16"`, `"fp16"`, `"fp32"`.
+            Sets `bf16`/`fp16`; giving either explicitly with a contradicting value is an error. `None` (default):
+            `bf16`/`fp16` as given (TRL's behaviour).
 
         > trl_fp8: Fair Cast
 
@@ -141,6 +152,7 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
     """
 
     def __post_init__(self):
+        resolve_precision(self)  # sets bf16/fp16 before TRL (unset bf16 -> True) and transformers read them
         super().__post_init__()
         self._validate_metrics_jsonl()
         for capability in CAPABILITIES:
