@@ -179,11 +179,12 @@ class BudgetCallback(TrainerCallback):
         self.stopping = None
         budget.sigterm.install()
         if state.is_world_process_zero:
-            logger.info(
-                "time budget %s (%s, counted from the start of this process): %s used, %s left; a checkpoint is "
-                "saved and training stops before it runs out, or on SIGTERM.", format_duration(budget.budget_s),
-                budget.scope, format_duration(budget.elapsed(now)), format_duration(budget.budget_s -
-                                                                                     budget.elapsed(now)))
+            what = ("for this session (counted from the start of this process)" if budget.scope == "session" else
+                    f"over every session of this run (this is session {budget.sessions})")
+            used = budget.elapsed(now)
+            logger.info("time budget %s %s: %s used, %s left; a checkpoint is saved and training stops before it "
+                        "runs out, or on SIGTERM.", format_duration(budget.budget_s), what, format_duration(used),
+                        format_duration(budget.budget_s - used))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.save_may_run = False
@@ -284,6 +285,9 @@ class TimeBudget(Capability):
         self.sigterm = SigtermHook(trainer)
         self.callback = BudgetCallback(self, trainer)
         trainer.add_callback(self.callback)
+        if args.save_only_model:
+            logger.warning("time budget with save_only_model=True: the checkpoint written when the budget stops "
+                           "training holds the model only, so a resume starts a fresh optimizer and scheduler.")
         if args.save_strategy == "no":
             logger.info("time budget with save_strategy='no': a checkpoint is still written when the budget (or a "
                         "SIGTERM) stops training, so the run can resume.")
