@@ -62,7 +62,7 @@ def _load(model_dir, dtype=torch.float32):
          "fair_cast='rtn': fp16=True autocasts the learner to float16, which would re-round a "
          "served_dtype='bfloat16' copy."),
         ({"fair_cast": "stochastic", "fsdp": "full_shard"},
-         "fair_cast='stochastic' is not supported with DeepSpeed or FSDP yet"),
+         "fair_cast is not supported with FSDP1 (asked for by args.fsdp): the trainer does not yet export"),
         ({"mxfp8": "yes"}, "mxfp8 must be True or False, got 'yes'."),
         ({"mxfp8_exclude": [1]}, "mxfp8_exclude must be a list of regular expressions, got [1]."),
         ({"mxfp8_exclude": 3}, "mxfp8_exclude must be a list of regular expressions, got 3."),

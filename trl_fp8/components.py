@@ -16,7 +16,9 @@ them; every hook has a do-nothing default, so a capability implements only what 
   of, read from the modules);
 - checkpoints: ``state_dict()`` / ``load_state_dict(state)``, stored in the checkpoint as ``state_file``
   (``state_optional``: a checkpoint without it resumes with the capability's fresh state instead of an error);
-- metrics: recorded with :func:`trl_fp8._trl.record_metric` into TRL's own per-mode metrics.
+- metrics: recorded with :func:`trl_fp8._trl.record_metric` into TRL's own per-mode metrics;
+- many processes: ``engines`` (per engine, None: supported, or why it is refused) and ``off_hint`` (the setting that
+  turns it off), applied at config time and at trainer start by :func:`trl_fp8.distributed.admit`.
 
 Where two capabilities must compose (DUET replaces the generation path; Fair Cast swaps the model it runs; the
 checks observe Fair Cast's sync), the order is written once, in the trainer.
@@ -56,6 +58,11 @@ class Capability:
     Args: type | None = None  # the GRPOConfig fields of this capability (a dataclass mixin)
     state_file: str | None = None  # file in a checkpoint folder holding state_dict(), if it has state
     state_optional: bool = False  # True: resuming from a checkpoint without state_file is allowed (nothing loaded)
+    # Many processes: "ddp" / "deepspeed" / "fsdp" -> None (supported) or why it is refused (a dict per ZeRO stage /
+    # FSDP version where they differ); an engine left out is refused. One process is always supported.
+    engines: dict = {}
+    off_hint: str = ""  # the setting that turns the capability off, for refusals (e.g. "fair_cast='off'")
+    soft_default = None  # (args) -> truthy when on by default and not asked for: refused, it says so and stays off
 
     @classmethod
     def wanted(cls, args) -> bool:

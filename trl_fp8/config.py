@@ -157,6 +157,19 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
         self._validate_metrics_jsonl()
         for capability in CAPABILITIES:
             capability.validate(self)
+        self._admit_engine()
+
+    def _admit_engine(self) -> None:
+        """Refuse, at config time, a capability asked for under an engine it does not support: DeepSpeed/FSDP from
+        ``args`` *or* from an accelerate config (the environment ``accelerate launch`` sets); checked again at
+        trainer start (:func:`trl_fp8.distributed.admit`). A capability on by default is left to the trainer."""
+        from .distributed import admit, detect_config
+
+        engine = detect_config(self)
+        for capability in CAPABILITIES:
+            soft = capability.soft_default is not None and capability.soft_default(self)
+            if capability.wanted(self) and not soft:
+                admit(capability, self, engine)
 
     def _validate_metrics_jsonl(self) -> None:
         if self.metrics_jsonl is None:

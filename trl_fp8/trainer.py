@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from . import _trl
+from . import _trl, distributed
 from .capabilities import CAPABILITIES
 from .components import Capability
 from .config import GRPOConfig
@@ -49,8 +49,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         with _trl.engine_context(args):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self.capabilities = {}
+        engine = distributed.detect(self)  # DeepSpeed/FSDP from args, an accelerate config or the trainer itself
         for cls in CAPABILITIES:  # set-up order is list order
-            if cls.wanted(self.args):
+            if cls.wanted(self.args) and distributed.admit(cls, self.args, engine):
                 capability = cls()
                 self.capabilities[cls.name] = capability  # visible to those set up after it
                 if capability.setup(self) is False:

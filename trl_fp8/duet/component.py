@@ -51,6 +51,13 @@ class DuetArgs:
 class Duet(Capability):
     name = "duet"
     Args = DuetArgs
+    engines = {
+        "ddp": None,  # one plan for the global batch, identical on every rank (trl_fp8.duet.ranks)
+        "deepspeed": "each rank generates a different number of rollouts, and under ZeRO-3 generation is a collective "
+                     "(ZeRO-1/2 have not been run)",
+        "fsdp": "each rank generates a different number of rollouts, and under FSDP generation is a collective",
+    }
+    off_hint = "duet=False"
 
     @classmethod
     def wanted(cls, args) -> bool:

@@ -74,6 +74,14 @@ class FairCast(Capability):
     name = "fair_cast"
     Args = FairCastArgs
     state_file = "fair_cast_state.pt"
+    engines = {
+        "ddp": None,  # every replica exports the same bits: SR keyed by (seed, step, tensor), EF deterministic
+        "deepspeed": "the trainer does not yet replace ZeRO's fp32-to-16-bit partition copy with the export (the "
+                     "shard-invariant export itself is trl_fp8.fair_cast.sharded)",
+        "fsdp": "the trainer does not yet export into FSDP's all-gather shards (the shard-invariant export itself "
+                "is trl_fp8.fair_cast.sharded)",
+    }
+    off_hint = "fair_cast='off'"
 
     @classmethod
     def wanted(cls, args) -> bool:
@@ -104,11 +112,6 @@ class FairCast(Capability):
             raise ValueError(
                 f"{mode}: fp16=True autocasts the learner to float16, which would re-round a "
                 f"served_dtype={args.served_dtype!r} copy. Use served_dtype='float16'."
-            )
-        if args.deepspeed or args.fsdp:
-            raise ValueError(
-                f"{mode} is not supported with DeepSpeed or FSDP yet (sharded parameters); use DDP or a single "
-                "process, or fair_cast='off'."
             )
 
     def setup(self, trainer) -> bool:

@@ -33,6 +33,12 @@ class MXFP8Args:
 class MXFP8(Capability):
     name = "mxfp8"
     Args = MXFP8Args
+    engines = {
+        "ddp": None,  # each replica converts the same linears; DDP all-reduces the fp32 master gradients
+        "deepspeed": "torchao's MXFP8 linears over ZeRO's flat 16-bit partitions have not been made to work",
+        "fsdp": "torchao's MXFP8 linears over FSDP shards (an MX all-gather) have not been made to work",
+    }
+    off_hint = "mxfp8=False"
 
     @classmethod
     def wanted(cls, args) -> bool:

@@ -120,6 +120,12 @@ def resolve_cache_dtype(name: str, compute: torch.dtype, device: torch.device) -
 class FastQLoRA(Capability):
     name = "fast_qlora"
     Args = FastQLoRAArgs
+    engines = {
+        "ddp": "not run with many processes yet (its dense copies and rollout cache are per process; untested)",
+        "deepspeed": "ZeRO would partition the 4-bit bases its dense copies and rollout cache are built from",
+        "fsdp": "FSDP would shard the 4-bit bases its dense copies and rollout cache are built from",
+    }
+    off_hint = "fast_qlora='off'"
 
     @classmethod
     def wanted(cls, args) -> bool:
@@ -199,9 +205,6 @@ class FastQLoRA(Capability):
 
     @staticmethod
     def _refuse_unsupported(trainer, model, layers) -> None:
-        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-            raise ValueError("fast QLoRA is not supported with DeepSpeed or FSDP yet (sharded 4-bit bases); use DDP "
-                             "or a single process, or fast_qlora='off'.")
         for name, layer in layers:
             if any(layer.use_dora.get(a, False) for a in layer.active_adapters):
                 raise ValueError(f"fast QLoRA does not support DoRA (layer '{name}'): its forward is not W + ΔW, so "

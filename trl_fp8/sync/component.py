@@ -62,6 +62,23 @@ def _active_rows(mask: torch.Tensor) -> torch.Tensor:
 class SyncChecks(Capability):
     name = "sync_checks"
     Args = SyncChecksArgs
+    engines = {
+        "ddp": None,  # every rank checks its own sampler; results and metrics are agreed across ranks
+        "deepspeed": "the checks read the learner's full tensors outside TRL's sync, which on sharded parameters "
+                     "is a collective gather they do not do yet",
+        "fsdp": "the checks read the learner's full tensors outside TRL's sync, which on sharded parameters is a "
+                "collective gather they do not do yet",
+    }
+    off_hint = "sync_checks='off'"
+
+    @staticmethod
+    def soft_default(args):
+        """On by default (not asked for): refused, the checks stay off with one line — a warning where there was a
+        separate sampler to check (vLLM, Fair Cast's twin), else an info line (TRL's sampler is the learner)."""
+        if getattr(args, "sync_checks", "default") != "default":
+            return False
+        separate = getattr(args, "use_vllm", False) or getattr(args, "fair_cast", "off") != "off"
+        return "warning" if separate else "info"
 
     @classmethod
     def wanted(cls, args) -> bool:
@@ -84,10 +101,6 @@ class SyncChecks(Capability):
         serving = trainer.serving()
         if not trainer.use_vllm and (serving is None or serving.sampler is None):
             logger.info("weight-sync checks: the in-process sampler is the learner itself; nothing to check.")
-            return False
-        if trainer.accelerator.num_processes > 1 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-            logger.warning("weight-sync checks run on a single process without DeepSpeed/FSDP for now; they are off "
-                           "for this run (sync_checks=%r).", args.sync_checks)
             return False
         self.trainer = trainer
         learner = self._learner_side(trainer, serving)
