@@ -134,13 +134,6 @@ def test_fair_cast_refuses_learner_and_served_names_that_do_not_match(tmp_path, 
 
 
 # -- DUET capability: refusals of its set-up and generation hooks --------------------------------------------------
-def test_duet_refuses_more_than_one_process():
-    """Multi-process runs need `accelerate launch`; the capability's set-up reads only the process count first."""
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=2))
-    with pytest.raises(ValueError, match=re.escape("duet=True runs on a single process for now")):
-        Duet().setup(trainer)
-
-
 def test_duet_generate_refuses_image_prompts():
     with pytest.raises(ValueError, match=re.escape("duet=True supports text prompts only.")):
         Duet().generate(None, [[1, 2]] * 2, images=[["image"]] * 2, multimodal_fields=None, num_generations=2)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl
+from .. import _trl, distributed
 from ..components import Capability, check_fraction, check_int
 from .controller import DuetController
 from .markers import compile_markers
@@ -94,8 +94,6 @@ class Duet(Capability):
                              f"(generation_kwargs num_beams={beams}).")
 
     def setup(self, trainer) -> bool:
-        if trainer.accelerator.num_processes > 1:
-            raise ValueError("duet=True runs on a single process for now (its per-prompt plan is not sharded).")
         if trainer.tools or trainer.rollout_func is not None or trainer.environment_factories is not None:
             raise ValueError("duet=True does not support tools, rollout_func or environments yet.")
         a = trainer.args
@@ -105,40 +103,61 @@ class Duet(Capability):
             max_weight=a.duet_max_weight, seed=a.seed, default_length=float(trainer.max_completion_length),
         )
         self.batch = None
+        self.last_weights = None  # the latest batch's importance weights (global, and this rank's slice)
         return True
 
     # -- generation: DUET replaces the path --------------------------------------------------------------------
     def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, model=None):
         """Generate only the planned rollouts (with the early-stop rule) through TRL's own transformers path, with
         ``model`` (e.g. Fair Cast's twin) instead of the learner when given. Unplanned slots get a 1-token
-        placeholder: reward None, loss mask 0 (see :meth:`adjust_rewards`, :meth:`adjust_batch`)."""
+        placeholder: reward None, loss mask 0 (see :meth:`adjust_rewards`, :meth:`adjust_batch`).
+
+        With many processes (DDP) the plan is made for the *global* batch (every rank's prompts, gathered in rank
+        order as TRL gathers rewards), identically on every rank; each rank generates its own planned rows, and the
+        outcomes (lengths, aborts, Σ log π) are gathered so every rank learns and weights the same way."""
         if images is not None or multimodal_fields:
             raise ValueError("duet=True supports text prompts only.")
         slots = num_generations
-        if len(prompt_ids) % slots:
-            raise ValueError(f"DUET expects whole groups of {slots} slots, got {len(prompt_ids)} prompts.")
-        groups = len(prompt_ids) // slots
-        keys = [hashlib.sha1(repr(list(prompt_ids[g * slots])).encode()).hexdigest() for g in range(groups)]
+        everyone = distributed.gather_objects([list(p) for p in prompt_ids])  # [prompt_ids] on one process
+        start = sum(len(part) for part in everyone[:distributed.rank()])
+        stop = start + len(prompt_ids)
+        all_ids = [p for part in everyone for p in part]
+        if len(all_ids) % slots:
+            raise ValueError(f"DUET expects whole groups of {slots} slots, got {len(all_ids)} prompts.")
+        groups = len(all_ids) // slots
+        keys = [hashlib.sha1(repr(list(all_ids[g * slots])).encode()).hexdigest() for g in range(groups)]
         full_length = self.controller.stats.cold_length()
         plan = self.controller.plan(keys)
-        rows = plan.real_rows()
-        criterion = DuetStoppingCriteria(plan.monitors, trainer._tokenizer, trainer.eos_token_ids)
-        with _trl.generating_with(trainer, model, [criterion.scores_tap], [criterion]):
-            generated, _ = _trl.trl_generate(trainer, [prompt_ids[r] for r in rows], images, multimodal_fields,
-                                             num_generations)
-        completions = [ids[:stop] if stop is not None else ids for ids, stop in zip(generated, criterion.stop_at,
-                                                                                       strict=True)]
+        rows = plan.real_rows()  # global rows
+        mine = [i for i, r in enumerate(rows) if start <= r < stop]
+        monitors = [plan.monitors[i] for i in mine]
+        criterion = DuetStoppingCriteria(monitors, trainer._tokenizer, trainer.eos_token_ids)
+        completions = []
+        if mine:  # a rank whose slots are all unplanned generates nothing
+            with _trl.generating_with(trainer, model, [criterion.scores_tap], [criterion]):
+                generated, _ = _trl.trl_generate(trainer, [all_ids[rows[i]] for i in mine], images,
+                                                 multimodal_fields, num_generations)
+            completions = [ids[:stop_at] if stop_at is not None else ids
+                           for ids, stop_at in zip(generated, criterion.stop_at, strict=True)]
         placeholder = [trainer.eos_token_ids[0]]
         completion_ids = [placeholder] * len(prompt_ids)
-        for r, ids in zip(rows, completions, strict=True):
-            completion_ids[r] = ids
-        lengths = [len(c) for c in completions]
-        self.batch = {"plan": plan, "rows": rows, "lengths": lengths, "sum_logps": criterion.sum_logps}
+        for i, ids in zip(mine, completions, strict=True):
+            completion_ids[rows[i] - start] = ids
+        local = [(i, len(ids), m.aborted, m.eps_kept, float(criterion.sum_logps[j]))
+                 for j, (i, ids, m) in enumerate(zip(mine, completions, monitors, strict=True))]
+        lengths = [0] * len(rows)
+        sum_logps = torch.zeros(len(rows), dtype=torch.float64)
+        for part in distributed.gather_objects(local):  # every rank's outcomes: the global batch
+            for i, length, aborted, eps_kept, sum_logp in part:
+                lengths[i], sum_logps[i] = length, sum_logp
+                plan.monitors[i].aborted, plan.monitors[i].eps_kept = aborted, eps_kept
+        self.batch = {"plan": plan, "rows": rows, "lengths": lengths, "sum_logps": sum_logps, "start": start,
+                      "stop": stop}
         aborted = sum(m.aborted for m in plan.monitors)
         counts = plan.counts.double()
-        metrics = {
+        metrics = {  # of the global batch: the same on every rank, recorded once
             "duet/tokens": float(sum(lengths)),
-            "duet/tokens_saved_frac": 1.0 - sum(lengths) / (len(prompt_ids) * full_length),
+            "duet/tokens_saved_frac": 1.0 - sum(lengths) / (len(all_ids) * full_length),
             "duet/abort_frac": aborted / max(1, len(rows)),
             "duet/rollouts_per_prompt/mean": counts.mean().item(),
             "duet/rollouts_per_prompt/min": counts.min().item(),
@@ -168,14 +187,19 @@ class Duet(Capability):
             self.batch = None
             return output
         plan, rows = self.batch["plan"], self.batch["rows"]
-        advantages = output["advantages"]
-        excluded = self._excluded_rows(advantages.size(0)).to(advantages.device)
-        self.controller.observe(plan, self.batch["lengths"], advantages[rows].detach().cpu().double(),
-                                self.batch["sum_logps"])
-        weights = torch.zeros(advantages.size(0), dtype=advantages.dtype, device=advantages.device)
-        weights[rows] = self.controller.weights(plan).to(advantages.dtype).to(advantages.device)
-        output["advantages"] = advantages * weights
-        output["completion_mask"] = output["completion_mask"] * (~excluded).unsqueeze(1).to(
-            output["completion_mask"].dtype)
+        start, stop = self.batch["start"], self.batch["stop"]
+        advantages = output["advantages"]  # this rank's slice of the global batch (TRL's process_slice)
+        parts = distributed.gather_objects(advantages.detach().cpu().double().tolist())
+        global_advantages = torch.tensor([a for part in parts for a in part], dtype=torch.float64)
+        excluded = self._excluded_rows(global_advantages.numel())
+        self.controller.observe(plan, self.batch["lengths"], global_advantages[rows], self.batch["sum_logps"])
+        weights = torch.zeros(global_advantages.numel(), dtype=torch.float64)
+        weights[rows] = self.controller.weights(plan).double()
+        local = weights[start:stop].to(advantages.dtype).to(advantages.device)
+        self.last_weights = {"counts": plan.counts.tolist(), "global": weights.tolist(), "local": local.tolist(),
+                             "start": start, "stop": stop}
+        output["advantages"] = advantages * local
+        output["completion_mask"] = output["completion_mask"] * (~excluded[start:stop]).unsqueeze(1).to(
+            output["completion_mask"].dtype).to(output["completion_mask"].device)
         self.batch = None
         return output

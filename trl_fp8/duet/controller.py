@@ -16,6 +16,18 @@ from .markers import MarkerDetector
 from .surrogate import LengthQuantiles, PromptStats, informativeness
 
 
+class Coins:
+    """A rollout's own random draws, taken from ``rng`` up front (``random()`` hands them out in order)."""
+
+    PER_ROLLOUT = 2  # RolloutMonitor tosses the trim coin (on a marker) and the abort coin (no marker), each once
+
+    def __init__(self, rng: random.Random):
+        self._draws = [rng.random() for _ in range(self.PER_ROLLOUT)]
+
+    def random(self) -> float:
+        return self._draws.pop(0)
+
+
 @dataclass
 class BatchPlan:
     """What DUET decided for one generation batch of ``groups`` prompts × ``slots`` slots."""
@@ -57,8 +69,11 @@ class DuetController:
         if self.n_max >= 2:  # exploration floor: stale warm prompts get a group that can be observed again
             counts = torch.where(reprobe, counts.clamp(min=2), counts)
         plan = BatchPlan(keys, counts, propensities(counts, self.min_propensity), lam, self.slots)
+        # Each rollout's coins are drawn here, in row order, from the controller's stream (a monitor tosses at most
+        # two): which rank generates a row, and in which order its tokens arrive, changes no draw, so every rank of a
+        # DDP run keeps the same stream and a global batch gets the same coins on any number of ranks.
         plan.monitors = [
-            RolloutMonitor(self.detector, self.quantiles.k1, self.quantiles.k2, self.rng,
+            RolloutMonitor(self.detector, self.quantiles.k1, self.quantiles.k2, Coins(self.rng),
                            margin_threshold=self.margin_threshold, keep_prob=self.keep_prob,
                            trim_skip_prob=self.keep_prob)
             for _ in range(int(counts.sum()))

@@ -253,28 +253,27 @@ class LogprobBand:
         """``numerics_mask``: the tokens ``numerics_logps`` cover (default ``mask``): the numerics reference may be
         measured on a few rollouts of the batch. The gap is *reported* over ``mask`` (``logp_gap_mean``) and *judged*
         on the tokens the reference covers (the same tokens on both sides of the comparison)."""
+        return self.judge(logprob_stats(learner_logps, sampler_logps, mask, numerics_logps, numerics_mask), step)
+
+    def judge(self, stats: dict, step: int) -> CheckResult:
+        """Judge the token statistics of :func:`logprob_stats` — one rank's, or every rank's reduced with
+        :data:`LOGPROB_STAT_OPS` (the band then judges the global batch, identically on every rank)."""
         name = "logprob_agreement"
-        learner = learner_logps.float()
-        mask = mask.bool().to(learner.device)
-        diff = (learner - sampler_logps.float().to(learner.device)).abs()[mask]
-        if diff.numel() == 0:
+        if stats["count"] == 0:
             return CheckResult(name, True)
-        gap, worst = diff.mean().item(), diff.max().item()
+        gap, worst = stats["sum"] / stats["count"], stats["max"]
         metrics = {"logp_gap_mean": gap, "logp_gap_max": worst}
         if not math.isfinite(gap):
             self.over += 1
             return CheckResult(name, False, f"non-finite mean |logπ_learner − logμ_sampler| ({gap}) at step {step}",
                                metrics)
         explained = None
-        if numerics_logps is not None:
-            covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device) & mask
-            explained = (learner - numerics_logps.float().to(learner.device)).abs()[covered]
-            explained = explained.mean().item() if explained.numel() else float("nan")
+        if stats["numerics"]:
+            explained = stats["explained_sum"] / stats["covered"] if stats["covered"] else float("nan")
             if math.isfinite(explained):
                 metrics["logp_gap_numerics"] = explained
-                if numerics_mask is not None:  # judge the gap on the tokens the reference covers
-                    judged = (learner - sampler_logps.float().to(learner.device)).abs()[covered]
-                    gap = judged.mean().item()
+                if stats["partial"]:  # judge the gap on the tokens the reference covers
+                    gap = stats["judged_sum"] / stats["covered"]
                     metrics["logp_gap_judged"] = gap
             else:  # the learner's own low-precision forward overflowed: no explanation on this batch
                 explained = None
@@ -283,9 +282,8 @@ class LogprobBand:
         ceiling = max(math.log(self.max_ratio), self.gross_factor * used)
         if limit is not None:
             metrics["logp_gap_limit"] = limit
-        where = int(torch.argmax(diff))
-        said = (f"mean |logπ_learner − logμ_sampler| {gap:.4g} at step {step} (max gap {worst:.4g} at masked token "
-                f"{where})")
+        where = f" at masked token {stats['where']}" if stats.get("where") is not None else ""
+        said = f"mean |logπ_learner − logμ_sampler| {gap:.4g} at step {step} (max gap {worst:.4g}{where})"
         if gap > ceiling:
             self.over += 1
             return CheckResult(
@@ -305,6 +303,34 @@ class LogprobBand:
         self.reference = gap if self.reference is None else max(self.reference, gap)
         self.evaluations += 1
         return CheckResult(name, True, metrics=metrics)
+
+
+# How each entry of :func:`logprob_stats` combines over ranks.
+LOGPROB_STAT_OPS = {"sum": "sum", "count": "sum", "max": "max", "explained_sum": "sum", "judged_sum": "sum",
+                    "covered": "sum", "numerics": "max", "partial": "max"}
+
+
+def logprob_stats(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                  numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None) -> dict:
+    """Token sums of the logprob check on one batch: |learner − sampler| over ``mask`` (sum, count, max, where the
+    max is), and over the tokens the numerics reference covers the |learner − numerics| and |learner − sampler|
+    sums. Sums, counts and maxima, so that ranks combine them exactly (:data:`LOGPROB_STAT_OPS`)."""
+    learner = learner_logps.float()
+    mask = mask.bool().to(learner.device)
+    full = (learner - sampler_logps.float().to(learner.device)).abs()
+    diff = full[mask]
+    out = {"sum": 0.0, "count": 0, "max": 0.0, "explained_sum": 0.0, "judged_sum": 0.0, "covered": 0,
+           "numerics": 0, "partial": 0, "where": None}
+    if diff.numel() == 0:
+        return out
+    out.update(sum=diff.double().sum().item(), count=int(diff.numel()), max=diff.max().item(),
+               where=int(torch.argmax(diff)))
+    if numerics_logps is not None:
+        covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device) & mask
+        explained = (learner - numerics_logps.float().to(learner.device)).abs()[covered]
+        out.update(numerics=1, partial=int(numerics_mask is not None), covered=int(explained.numel()),
+                   explained_sum=explained.double().sum().item(), judged_sum=full[covered].double().sum().item())
+    return out
 
 
 # -- 6. differential oracle -------------------------------------------------------------------------------------

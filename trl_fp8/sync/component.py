@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, numerics
+from .. import _trl, distributed, numerics
 from ..components import Capability, check_choice, check_int
 from ..samplers import SyncLog, VLLMColocateSampler, VLLMServerSampler
 from .checks import resolve_checks
@@ -110,8 +110,12 @@ class SyncChecks(Capability):
             sampler = VLLMColocateSampler(trainer.vllm_generation.llm, learner.shapes)
         else:
             sampler = VLLMServerSampler(trainer.vllm_generation.vllm_client, learner.shapes)
+        self.distributed = distributed.world_size() > 1  # DDP: every rank checks its sampler; the ranks agree
+        if self.distributed:
+            from . import ranks
         self.monitor = SyncMonitor(checks, sampler, learner, args.sync_check_interval, args.sync_check_action,
-                                   record=lambda name, value: _trl.record_metric(trainer, name, value))
+                                   record=lambda name, value: _trl.record_metric(trainer, name, value),
+                                   ranks=ranks if self.distributed else None)
         self.numerics_dtype = serving.dtype if serving is not None else (
             torch.float16 if args.fp16 else torch.bfloat16)
         self._tap = None
@@ -177,11 +181,14 @@ class SyncChecks(Capability):
         if not trainer.model.training or not self.monitor.logprob_due():
             return output
         rows = _active_rows(output["completion_mask"])
-        if rows.numel() == 0:
+        if rows.numel() == 0 and not self.distributed:  # (with many ranks, every rank takes part in the check)
             return output
+        recorded = sampler_logps is not None and len(sampler_logps) == output["completion_ids"].size(0)
+        if self.distributed:  # every rank takes the same path, so the check's collective happens at the same point
+            recorded = all(distributed.gather_objects(recorded))
         if "sampling_per_token_logps" in output and "old_per_token_logps" in output:  # vLLM: μ and π at hand
             self._compare(trainer, output, output["old_per_token_logps"], output["sampling_per_token_logps"], rows)
-        elif sampler_logps is not None and len(sampler_logps) == output["completion_ids"].size(0):
+        elif recorded:
             # μ travels with the batch; π comes from the loss forward (see on_policy_logps)
             width = output["completion_ids"].size(1)
             padded = torch.zeros(len(sampler_logps), width, dtype=torch.float32)
@@ -199,8 +206,12 @@ class SyncChecks(Capability):
         learner re-score ``rows``."""
         serving = trainer.serving()
         if serving is None or serving.sampler is None:
-            return  # a vLLM engine that returned no logprobs: nothing to compare with
+            return  # a vLLM engine that returned no logprobs: nothing to compare with (the same on every rank)
         batch = {k: output[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        if rows.numel() == 0:  # nothing on this rank (e.g. DUET placeholders only); it still takes part
+            empty = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+            self._compare(trainer, batch, empty, empty, rows)
+            return
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         keep = batch["completion_ids"].size(1)
@@ -215,7 +226,7 @@ class SyncChecks(Capability):
         self._pending = False
         mask = inputs["completion_mask"]
         rows = _active_rows(mask)
-        if rows.numel() == 0:
+        if rows.numel() == 0 and not self.distributed:
             return
         self._compare(trainer, inputs, logps.detach(), inputs[SAMPLER_LOGPS_KEY], rows)
 
@@ -225,8 +236,9 @@ class SyncChecks(Capability):
         ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], dim=1)
         attention = torch.cat([batch["prompt_mask"][rows], mask[rows]], dim=1)
         numerics_logps = torch.zeros_like(learner, dtype=torch.float32)
-        numerics_logps[rows] = self._numerics_logps(trainer, ids, attention, batch["completion_ids"].size(1)).to(
-            numerics_logps.device)
+        if rows.numel():
+            numerics_logps[rows] = self._numerics_logps(trainer, ids, attention, batch["completion_ids"].size(1)).to(
+                numerics_logps.device)
         numerics_mask = torch.zeros_like(mask)
         numerics_mask[rows] = mask[rows]
         self.monitor.after_generation(trainer.state.global_step, learner, sampler, mask, numerics_logps, numerics_mask)

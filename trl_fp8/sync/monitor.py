@@ -18,6 +18,7 @@ per-mode metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Callable, Iterable
@@ -68,7 +69,12 @@ def supported_checks(sampler: Sampler) -> frozenset[str]:
 
 class SyncMonitor:
     def __init__(self, checks: Iterable[str], sampler: Sampler, learner: LearnerSide, interval: int = 1,
-                 action: str = "raise", record: Callable[[str, float], None] | None = None):
+                 action: str = "raise", record: Callable[[str, float], None] | None = None, ranks=None):
+        """``ranks``: None on one process; with many (DDP), an object with ``agree(results, sent, step, error)`` and
+        ``reduce_stats(stats)`` (:mod:`trl_fp8.sync.ranks`): results are then agreed across ranks once per sync
+        and the logprob check judges the global batch."""
+        self.ranks = ranks
+        self._round: list | None = None
         self.sampler = sampler
         self.learner = learner
         self.interval = max(1, int(interval))
@@ -93,6 +99,34 @@ class SyncMonitor:
 
     # -- reporting ----------------------------------------------------------------------------------------------
     def report(self, result: C.CheckResult) -> None:
+        if self._round is not None:  # many processes: applied once the ranks agree (see _agreed)
+            self._round.append(result)
+            return
+        self._apply(result)
+
+    @contextlib.contextmanager
+    def _agreed(self, step: int, sent=None):
+        """Many processes: collect the results of the block, agree on them across ranks (one collective, on every
+        rank, whatever happened in the block), then apply them — the same error on every rank."""
+        if self.ranks is None:
+            yield
+            return
+        self._round = []
+        error = None
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, then it is raised here
+            error = err
+        finally:
+            results, self._round = self._round, None
+        digests = self.ranks.digests(sent()) if sent is not None and error is None else None
+        merged = self.ranks.agree(results, digests, step, None if error is None else repr(error))
+        if error is not None:
+            raise error
+        for result in merged:
+            self._apply(result)
+
+    def _apply(self, result: C.CheckResult) -> None:
         if not result.applicable:  # nothing was compared: neither a pass nor a failure
             if result.check not in self.not_applicable:
                 self.not_applicable[result.check] = result.message
@@ -120,8 +154,12 @@ class SyncMonitor:
 
     @torch.no_grad()
     def before_sync(self, step: int) -> None:
+        self._before = []
         if self.syncs == 0 and self.enabled("differential_oracle"):
-            self.report(self.startup_oracle(step))
+            if self.ranks is not None:  # agreed with the rest of this sync's results, after it
+                self._before.append(self.startup_oracle(step))
+            else:
+                self.report(self.startup_oracle(step))
 
     @torch.no_grad()
     def startup_oracle(self, step: int) -> C.CheckResult:
@@ -149,6 +187,15 @@ class SyncMonitor:
 
     @torch.no_grad()
     def after_sync(self, step: int, log: SyncLog) -> None:
+        before, self._before = getattr(self, "_before", []), []
+        due = self.syncs % self.interval == 0
+        sent = (lambda: log.tensors) if due and self.enabled("freshness") else None  # replicas compared (DDP)
+        with self._agreed(step, sent):
+            for result in before:
+                self.report(result)
+            self._after_sync(step, log)
+
+    def _after_sync(self, step: int, log: SyncLog) -> None:
         s, first = self.sampler, self.syncs == 0
         self.syncs += 1
         due = (self.syncs - 1) % self.interval == 0
@@ -197,8 +244,10 @@ class SyncMonitor:
         """``numerics_logps``: the learner's logprobs of the same tokens at the sampler's precision (the gap that
         numerics alone explain, see :class:`~trl_fp8.sync.checks.LogprobBand`), on ``numerics_mask`` (default
         ``mask``)."""
-        self.report(self.band.check(learner_logps, sampler_logps, mask, step, numerics_logps=numerics_logps,
-                                    numerics_mask=numerics_mask))
+        stats = C.logprob_stats(learner_logps, sampler_logps, mask, numerics_logps, numerics_mask)
+        if self.ranks is not None:  # the global batch, the same judgement (and band state) on every rank
+            stats = self.ranks.reduce_stats(stats)
+        self.report(self.band.judge(stats, step))
 
     def summary(self) -> dict:
         """What ran: per check, the evaluations that compared something, and the checks that never could."""

@@ -1,0 +1,225 @@
+"""One rank of the DDP end-to-end tests (``torchrun --nproc_per_node N ddp_worker.py OUT SCENARIO[,SCENARIO...]``,
+or plain ``python`` for the one-process reference). Each scenario trains trl_fp8.GRPOTrainer a few steps on the
+embedded demo model and writes what the test compares to ``OUT/<scenario>.rank<r>.json``:
+
+- ``duet_sr``: Fair Cast SR + every weight-sync check + DUET: the served bits after each step (a digest), DUET's
+  plan and importance weights (global and this rank's slice), the metrics logged;
+- ``ef``: Fair Cast EF + every check, greedy generation and a reward keyed by the *global* row (so one process with
+  the same global batch computes the same losses): served digests and losses;
+- ``mxfp8``: MXFP8 + Fair Cast SR + every check, two steps;
+- ``fault``: Fair Cast SR + every check; rank 1 (only) corrupts one weight of its sampler from the sync to step 1.
+  Both ranks must stop with the same ``WeightSyncError``; the worker records it and exits with status 3;
+- ``replica_fault``: the default checks; rank 1's export differs from rank 0's in one weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+GLOBAL_BATCH = 8  # prompts x generations per optimizer step, over all ranks
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def digest(tensors: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def row_reward(completions, trainer_state=None, **kwargs):
+    """A reward keyed by the completion's *global* row (rank-major, as TRL gathers the batch) and the step."""
+    n = len(completions)
+    start = _rank() * n
+    step = trainer_state.global_step if trainer_state is not None else 0
+    return [float(((start + i) * 7 + step * 3) % 5) / 4.0 for i in range(n)]
+
+
+class KeyedGumbel:
+    """Greedy decoding of ``scores + Gumbel noise`` keyed by (global row, step, position): sampling whose draws do not
+    depend on how the global batch is split over ranks (test scaffolding: one process and N ranks then generate the
+    same completions, and the rows of a group differ)."""
+
+    def __init__(self, rows: int, step: int):
+        self.rows, self.step = rows, step
+
+    def __call__(self, input_ids, scores):
+        start = _rank() * self.rows
+        noise = torch.empty_like(scores)
+        for i in range(scores.size(0)):
+            g = torch.Generator().manual_seed(((start + i) * 1000003 + self.step * 9176 + input_ids.size(1)) & 0x7FFFFFFF)
+            u = torch.rand(scores.size(1), generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+            noise[i] = (-torch.log(-torch.log(u))).to(scores.dtype)
+        return scores + noise
+
+
+def keyed_sampling(trainer):
+    from transformers import LogitsProcessorList
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin.generate
+
+    def generate(self, *args, logits_processor=None, **kwargs):
+        processors = LogitsProcessorList(list(logits_processor or []))
+        rows = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).size(0)
+        processors.append(KeyedGumbel(rows, trainer.state.global_step))
+        return original(self, *args, logits_processor=processors, **kwargs)
+
+    GenerationMixin.generate = generate
+    return lambda: setattr(GenerationMixin, "generate", original)
+
+
+def make_trainer(out, name, **fields):
+    import trl_fp8
+    from trl_fp8.demo.model import demo_model_path
+    from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+
+    world = _world()
+    kwargs = dict(
+        output_dir=os.path.join(out, name), use_cpu=True, bf16=False, max_steps=3, learning_rate=5e-3,
+        per_device_train_batch_size=GLOBAL_BATCH // world, num_generations=4, max_completion_length=8,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=11, sync_checks="all",
+    )
+    kwargs.update(fields)
+    reward = row_reward if name == "ef" else correctness_reward
+    return trl_fp8.GRPOTrainer(
+        model=demo_model_path(), reward_funcs=[reward, row_reward], args=trl_fp8.GRPOConfig(**kwargs),
+        train_dataset=make_arithmetic_dataset(64, seed=3, max_operand=9),  # equal prompt lengths: no padding
+    )
+
+
+def record_served(trainer, record):
+    from transformers import TrainerCallback
+
+    fair_cast = trainer.capability("fair_cast")
+
+    class Served(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            record["served"].append(digest(fair_cast.served.served))  # after Fair Cast's own on_train_begin
+
+        def on_step_end(self, args, state, control, **kwargs):
+            record["served"].append(digest(fair_cast.served.served))
+            if fair_cast.sampler is not None:
+                record["sampler"].append(digest(dict(fair_cast.sampler.model.named_parameters())))
+
+    trainer.add_callback(Served())
+
+
+def record_duet(trainer, record):
+    duet = trainer.capability("duet")
+    original = duet.adjust_batch
+
+    def adjust_batch(trainer_, output):
+        out = original(trainer_, output)
+        last = duet.last_weights
+        if last is not None:
+            record["duet"].append({"counts": last["counts"], "global": last["global"], "local": last["local"],
+                                   "start": last["start"], "stop": last["stop"],
+                                   "mask_rows": out["completion_mask"].sum(1).gt(0).int().tolist()})
+        return out
+
+    duet.adjust_batch = adjust_batch
+
+
+def inject_fault(trainer):
+    """Rank 1 only: from the sync to step 1 on, one weight of its sampler is not what the sync sent."""
+    if _rank() != 1:
+        return
+    sampler = trainer.capability("fair_cast").sampler
+    load = sampler.load
+
+    def corrupt_load(stream):
+        load(stream)
+        if trainer.state.global_step >= 1:
+            with torch.no_grad():
+                p = next(iter(sampler.model.parameters()))
+                p.view(-1)[0] = p.view(-1)[0] * 2 + 1
+
+    sampler.load = corrupt_load
+
+
+def inject_replica_fault(trainer):
+    """Rank 1 only: from step 1 on, its export differs from rank 0's in one weight (a replica that drifted). Learner,
+    sync and sampler agree on rank 1, so only the comparison across ranks can see it."""
+    if _rank() != 1:
+        return
+    served = trainer.capability("fair_cast").served
+    export = served.export
+
+    def drifted(step, names=None):
+        export(step, names)
+        if step >= 1:
+            tensor = next(iter(served.served.values()))
+            tensor.view(-1)[0] = -tensor.view(-1)[0] + 1
+
+    served.export = drifted
+
+
+SCENARIOS = {
+    "duet_sr": dict(fair_cast="stochastic", duet=True, duet_budget=0.5),
+    "ef": dict(fair_cast="error_feedback", generation_kwargs={"do_sample": False}, beta=0.1),
+    "mxfp8": dict(fair_cast="stochastic", mxfp8=True, max_steps=2),
+    "fault": dict(fair_cast="stochastic", max_steps=3),
+    "replica_fault": dict(fair_cast="stochastic", max_steps=3, sync_checks="default"),
+}
+
+
+def run(out: str, name: str) -> int:
+    from trl_fp8 import WeightSyncError
+
+    torch.manual_seed(0)
+    trainer = make_trainer(out, name, **SCENARIOS[name])
+    record = {"rank": _rank(), "world": _world(), "capabilities": list(trainer.capabilities), "served": [],
+              "sampler": [], "duet": [], "error": None}
+    record_served(trainer, record)
+    if trainer.capability("duet") is not None:
+        record_duet(trainer, record)
+    if name == "fault":
+        inject_fault(trainer)
+    if name == "replica_fault":
+        inject_replica_fault(trainer)
+    restore = keyed_sampling(trainer) if name == "ef" else (lambda: None)
+    status = 0
+    try:
+        trainer.train()
+    except WeightSyncError as err:
+        record["error"] = str(err)
+        status = 3
+    finally:
+        restore()
+    record["logs"] = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
+    checks = trainer.capability("sync_checks")
+    record["checks"] = checks.monitor.summary() if checks is not None else None
+    with open(os.path.join(out, f"{name}.rank{_rank()}.json"), "w") as f:
+        json.dump(record, f)
+    return status
+
+
+def main() -> int:
+    out, names = sys.argv[1], sys.argv[2].split(",")
+    torch.set_num_threads(1)
+    status = 0
+    for name in names:
+        status = run(out, name) or status
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank has written its record before any exits
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""DDP end to end: ``torchrun --nproc_per_node 2`` runs of trl_fp8.GRPOTrainer on CPU (gloo), against one process
+with the same global batch. One launch runs every scenario of ``ddp_worker.py`` (about 35 s on two cores), the
+one-process reference another (about 15 s)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "ddp_worker.py")
+SCENARIOS = ("duet_sr", "ef", "mxfp8", "fault", "replica_fault")
+
+
+def _env():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+           "KMP_BLOCKTIME": "0", "TRL_FP8_VERBOSE": "0",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load(folder, name, ranks):
+    return [json.load(open(os.path.join(folder, f"{name}.rank{r}.json"))) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    two = tmp_path_factory.mktemp("ddp2")
+    one = tmp_path_factory.mktemp("ddp1")
+    launch = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(_free_port()), WORKER, str(two), ",".join(SCENARIOS)],
+        capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+    single = subprocess.run([sys.executable, WORKER, str(one), "ef"], capture_output=True, text=True, timeout=600,
+                            env=_env(), cwd=ROOT)
+    assert single.returncode == 0, single.stderr[-4000:]
+    return {"two": two, "one": one, "launch": launch}
+
+
+def _metric_series(record, key):
+    return [h[key] for h in record["logs"] if key in h]
+
+
+def test_both_ranks_stop_with_the_same_error_and_the_launch_fails(runs):
+    launch = runs["launch"]
+    assert launch.returncode != 0, "the injected faults must stop the run"
+    for name in SCENARIOS:  # every rank wrote its record: none hung, none was killed half-way
+        for r in range(2):
+            assert os.path.isfile(os.path.join(runs["two"], f"{name}.rank{r}.json")), (name, r, launch.stderr[-4000:])
+    fault = _load(runs["two"], "fault", 2)
+    assert fault[0]["error"] and fault[0]["error"] == fault[1]["error"]
+    assert fault[0]["error"].startswith("[freshness] on rank 1 of 2: 'model.embed_tokens.weight' is not what the "
+                                        "sync sent at step 1"), fault[0]["error"]
+    drift = _load(runs["two"], "replica_fault", 2)
+    assert drift[0]["error"] and drift[0]["error"] == drift[1]["error"]
+    assert drift[0]["error"].startswith("[freshness] the replicas do not serve the same weights at step 1: rank 1 "
+                                        "sent other bits than rank 0 for 1 tensor(s)"), drift[0]["error"]
+
+
+@pytest.mark.parametrize("name", ["duet_sr", "ef", "mxfp8"])
+def test_replicas_serve_identical_bits_and_the_checks_run_on_every_rank(runs, name):
+    a, b = _load(runs["two"], name, 2)
+    assert a["error"] is None and b["error"] is None
+    assert a["capabilities"] == b["capabilities"] and "sync_checks" in a["capabilities"]
+    steps = 3 if name != "mxfp8" else 2
+    assert len(a["served"]) == steps + 1 and a["served"] == b["served"]  # Fair Cast's export, every step
+    assert a["sampler"] == b["sampler"] and len(set(a["sampler"])) == steps  # what each rank's sampler holds
+    for summary in (a["checks"], b["checks"]):
+        assert not summary["failed"]
+        for check in ("recipe_parity", "coverage", "freshness", "logprob_agreement", "differential_oracle"):
+            assert summary["compared"].get(check), (check, summary)
+    # metrics recorded once, from agreed or global values: the same on both ranks
+    keys = {k for h in a["logs"] for k in h if k.split("/")[0] in ("sync", "fair_cast", "duet")}
+    assert {"sync/freshness", "sync/logp_gap_mean", "fair_cast/visible_update_frac"} <= keys
+    for key in keys:
+        assert _metric_series(a, key) == _metric_series(b, key), key
+
+
+def test_duet_one_plan_for_the_global_batch(runs):
+    a, b = _load(runs["two"], "duet_sr", 2)
+    assert {"duet", "fair_cast", "sync_checks"} <= set(a["capabilities"])
+    assert len(a["duet"]) == len(b["duet"]) == 3
+    for da, db in zip(a["duet"], b["duet"], strict=True):
+        assert da["counts"] == db["counts"] and da["global"] == db["global"]  # both ranks made the same plan
+        assert (da["start"], da["stop"], db["start"], db["stop"]) == (0, 4, 4, 8)
+        assert da["local"] + db["local"] == da["global"]  # each rank weights its own slice of the global batch
+        planned = [0] * 8  # rows that hold a real, non-aborted rollout keep their loss mask, the others lose it
+        for g, n in enumerate(da["counts"]):
+            for j in range(n):
+                planned[g * 4 + j] = 1
+        assert da["mask_rows"] + db["mask_rows"] == [p if w or not p else 0 for p, w in zip(planned, da["global"])]
+        assert sum(da["counts"]) < 8  # the budget β = 0.5 planned fewer rollouts than the 8 slots
+    for key in ("duet/tokens", "duet/rollouts_per_prompt/mean"):
+        assert _metric_series(a, key) == _metric_series(b, key) and _metric_series(a, key)
+
+
+def test_same_losses_as_one_process_with_the_same_global_batch(runs):
+    """Fair Cast EF, β = 0.1, completions that do not depend on the split (keyed sampling): TRL normalises the loss
+    over the global batch, so 2 ranks x 4 rollouts give one process x 8 rollouts' losses (to float noise: DDP sums
+    the two halves' gradients in another order)."""
+    two = _load(runs["two"], "ef", 2)[0]
+    one = _load(runs["one"], "ef", 1)[0]
+    assert one["world"] == 1 and two["world"] == 2
+    for key, tol in (("loss", 1e-4), ("kl", 1e-4), ("grad_norm", 1e-4), ("reward", 0.0),
+                     ("sync/logp_gap_mean", 1e-3)):
+        x, y = _metric_series(two, key), _metric_series(one, key)
+        assert len(x) == len(y) == 3, key
+        assert x == pytest.approx(y, rel=tol, abs=1e-7), key
+    assert _metric_series(two, "loss")[1] > 1e-3  # a real loss (the KL term), not a vacuous zero
+    assert two["served"][0] == one["served"][0]  # the first export: the same bits on any number of processes
