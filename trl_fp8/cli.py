@@ -75,12 +75,55 @@ def check_unknown_keys(config_remaining: list[str], cli_remaining: list[str], sc
             )
 
 
+def accelerate_config_names() -> dict[str, list[str]]:
+    """The named accelerate configs ``--accelerate_config NAME`` resolves: trl_fp8's (``trl_fp8/accelerate_configs``,
+    also under ``recipes/accelerate``) and TRL's."""
+    import importlib.resources as resources
+
+    def names(package):
+        try:
+            return sorted(p.name[:-5] for p in resources.files(package).iterdir() if p.name.endswith(".yaml"))
+        except (ModuleNotFoundError, FileNotFoundError):
+            return []
+
+    return {"trl_fp8": names("trl_fp8.accelerate_configs"), "trl": names("trl.accelerate_configs")}
+
+
+def resolve_accelerate_config(args: list[str]) -> list[str]:
+    """``--accelerate_config NAME`` -> ``--config_file PATH``: a file path as given; else trl_fp8's config of that name
+    (``multi_gpu``, ``zero2``, ``zero3``, ``fsdp2``, ``kaggle_t4x2``, ``cpu``), which takes precedence over TRL's of
+    the same name; ``trl:NAME`` picks TRL's; else TRL's (``single_gpu``, ``fsdp1``, ``zero1``, ...)."""
+    import importlib.resources as resources
+    from pathlib import Path
+
+    from ._trl import resolve_accelerate_config as trl_resolve
+
+    args = list(args)
+    if "--accelerate_config" in args:
+        i = args.index("--accelerate_config")
+        if i + 1 < len(args) and not Path(args[i + 1]).is_file():
+            name = args[i + 1]
+            if name.startswith("trl:"):
+                args[i + 1] = name[len("trl:"):]
+            else:
+                ours = resources.files("trl_fp8.accelerate_configs").joinpath(f"{name}.yaml")
+                if ours.is_file():
+                    args[i + 1] = str(ours)
+                else:
+                    known = accelerate_config_names()
+                    if name not in known["trl"]:
+                        raise ValueError(
+                            f"--accelerate_config {name!r} is neither a file nor a named config: trl_fp8's are "
+                            f"{', '.join(known['trl_fp8'])}; TRL's are {', '.join(known['trl'])} (or trl:NAME).")
+    return trl_resolve(args)
+
+
 def prepare_grpo_launch(argv: list[str]) -> tuple[list[str], list[str]]:
     """Validate ``trl-fp8 grpo`` arguments; return (accelerate launch args, script args).
 
     Parsing builds ``GRPOConfig``, so invalid values fail here, before anything is launched.
     """
-    from ._trl import resolve_accelerate_config, subtract_subsequence
+    from ._trl import subtract_subsequence
     from .scripts.grpo import check_script_args, make_parser
 
     parser = make_parser(prog="trl-fp8 grpo")
