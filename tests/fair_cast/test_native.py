@@ -353,7 +353,7 @@ def test_good_arguments_reach_the_library_unchanged():
     assert _native.ef_bf16(lib, src, residual, out, 2) is out
     allocated = _native.sr_bf16(lib, src, None, 0, 1)
     assert allocated.dtype == torch.bfloat16 and allocated.shape == src.shape
-    assert lib.calls[0] == ("sr", (src.data_ptr(), out.data_ptr(), 24, 2**32 - 1, 3))
+    assert lib.calls[0] == ("sr", (src.data_ptr(), out.data_ptr(), 24, 2**32 - 1, 3, 0))
     assert lib.calls[1] == ("ef", (src.data_ptr(), residual.data_ptr(), out.data_ptr(), 24, 2))
 
 

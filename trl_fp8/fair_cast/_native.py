@@ -58,11 +58,12 @@ static inline uint16_t rne_bf16(uint32_t b) {
     return (uint16_t)((b + 0x7FFFU + ((b >> 16) & 1U)) >> 16);
 }
 
-void trl_fp8_sr_bf16(const uint32_t *src, uint16_t *dst, int64_t n, uint32_t key, int nthreads) {
+/* offset: the global index of src[0] in its tensor (a shard's start), so shards draw the one-process bits */
+void trl_fp8_sr_bf16(const uint32_t *src, uint16_t *dst, int64_t n, uint32_t key, int nthreads, int64_t offset) {
     #pragma omp parallel for simd schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n; ++i) {
         uint32_t b = src[i];
-        uint32_t r = mix32((uint32_t)i * 0x9E3779B9U + key) >> 16;
+        uint32_t r = mix32((uint32_t)(i + offset) * 0x9E3779B9U + key) >> 16;
         uint32_t s = b + r;
         uint16_t out = (uint16_t)(s >> 16);
         if ((b & 0x7F800000U) == 0x7F800000U) {
@@ -233,7 +234,8 @@ def _build(cc: str, lib_path: Path) -> None:
 
 def _open(lib_path: Path):
     lib = ctypes.CDLL(str(lib_path))
-    lib.trl_fp8_sr_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int]
+    lib.trl_fp8_sr_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int,
+                                    ctypes.c_int64]
     lib.trl_fp8_sr_bf16.restype = None
     lib.trl_fp8_ef_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.trl_fp8_ef_bf16.restype = None
@@ -300,11 +302,12 @@ def _check_nthreads(nthreads) -> None:
         raise ValueError(f"nthreads must be an int in [1, 2**31), got {nthreads!r}")
 
 
-def sr_bf16(lib, src: torch.Tensor, out: torch.Tensor | None, key: int, nthreads: int) -> torch.Tensor:
+def sr_bf16(lib, src: torch.Tensor, out: torch.Tensor | None, key: int, nthreads: int, offset: int = 0) -> torch.Tensor:
     """Stochastically round fp32 ``src`` into bf16 ``out`` (allocated when None) with the kernel in ``lib``.
 
     ``src``: contiguous fp32 CPU tensor; ``out``: contiguous bf16 CPU tensor of ``src``'s shape; ``key``: the
-    32-bit stream key; ``nthreads`` >= 1. Anything else raises before the library sees a pointer.
+    32-bit stream key; ``nthreads`` >= 1; ``offset`` >= 0: the index of ``src[0]`` in the whole tensor (a shard's
+    start). Anything else raises before the library sees a pointer.
     """
     _check_tensor("src", src, torch.float32)
     if out is None:
@@ -313,7 +316,9 @@ def sr_bf16(lib, src: torch.Tensor, out: torch.Tensor | None, key: int, nthreads
     if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**32:
         raise ValueError(f"key must be an int in [0, 2**32), got {key!r}")
     _check_nthreads(nthreads)
-    lib.trl_fp8_sr_bf16(src.data_ptr(), out.data_ptr(), src.numel(), key, nthreads)
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**62:
+        raise ValueError(f"offset must be an int in [0, 2**62), got {offset!r}")
+    lib.trl_fp8_sr_bf16(src.data_ptr(), out.data_ptr(), src.numel(), key, nthreads, offset)
     return out
 
 

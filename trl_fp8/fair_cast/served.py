@@ -108,11 +108,14 @@ class ServedCopy:
 
     # -- export ---------------------------------------------------------------------------------------------
     def _export_one(self, name: str, step: int) -> None:
-        src, dst, index = self.units[name].master, self.served[name], self._index[name]
+        unit = self.units[name]
+        src, dst = unit.master, self.served[name]
+        index = getattr(unit, "index", self._index[name])  # a shard: its tensor's one-process index ...
         if self.mode == "rtn":
             round_nearest(src, self.dtype, out=dst)
-        elif self.mode == "stochastic":
-            stochastic_round(src, self.dtype, seed=self.seed, step=step, index=index, out=dst)
+        elif self.mode == "stochastic":  # ... and the global index of its first element (see fair_cast.sharded)
+            stochastic_round(src, self.dtype, seed=self.seed, step=step, index=index, out=dst,
+                             offset=getattr(unit, "offset", 0))
         else:
             error_feedback_round(src, self.residual[name], self.dtype, out=dst)
 
@@ -157,7 +160,7 @@ class ServedCopy:
     def _init_metric_subset(self, budget: int) -> None:
         # metrics follow the units that change (the trainable ones)
         sizes = {n: math.prod(self.units[n].shape) for n in self.trainable}
-        total = sum(sizes.values())
+        total = max(1, sum(sizes.values()))  # (a process may hold empty shards)
         gen = torch.Generator().manual_seed(self.seed ^ 0x5EED)
         self._subset = {}
         for n, numel in sizes.items():
