@@ -166,3 +166,156 @@ def reshard(served: ServedCopy, states: list[dict]) -> None:
         if numel and not bool((covered == 1).all()):
             raise ValueError(f"Fair Cast checkpoint: the saved shards of '{name}' do not cover it exactly once.")
     served.step = int(states[0]["step"])
+
+
+# -- DeepSpeed ZeRO-1/2/3 ---------------------------------------------------------------------------------------
+class PartitionUnit(ShardUnit):
+    """A run of one tensor's elements inside a DeepSpeed fp32 flat partition. ``master`` *is* DeepSpeed's fp32
+    partition (a view: the optimizer steps it); ``apply`` writes the served values into it for the moment DeepSpeed
+    copies it to the 16-bit partition (:class:`DeepSpeedExport` puts the master back after the step)."""
+
+    def __init__(self, name: str, fp32_view: torch.Tensor, offset: int, index: int, full_numel: int):
+        if fp32_view.dtype != torch.float32:
+            raise TypeError(f"Fair Cast needs DeepSpeed's fp32 master partitions, but '{name}' has {fp32_view.dtype}.")
+        self.name = name
+        self.param = fp32_view
+        self.master = fp32_view  # reused, not copied
+        self.trainable = True
+        self.offset, self.index, self.full_numel = int(offset), int(index), int(full_numel)
+
+    def capture(self) -> None:  # the master is DeepSpeed's own partition
+        pass
+
+    def restore(self) -> None:
+        pass
+
+
+def _element_offset(view: torch.Tensor, flat: torch.Tensor) -> int:
+    return (view.data_ptr() - flat.data_ptr()) // flat.element_size()
+
+
+def deepspeed_units(optimizer, module: torch.nn.Module) -> tuple[list[PartitionUnit], list[tuple[int, list[str]]]]:
+    """The :class:`PartitionUnit` of every tensor run in this rank's fp32 partitions of a DeepSpeed ZeRO optimizer,
+    and per partition group the names it holds. ``module``: the model as DeepSpeed wraps it (``engine.module``), whose
+    ``named_parameters`` order is the one-process tensor index."""
+    import torch.distributed as dist
+
+    index = {id(p): (n, i) for i, (n, p) in enumerate(module.named_parameters())}
+    units, groups = [], []
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: each parameter partitioned on its own
+        rank = dist.get_rank(group=getattr(optimizer, "dp_process_group", None))
+        for g, params in enumerate(optimizer.fp16_groups):
+            flat16, flat32, names = optimizer.fp16_partitioned_groups_flat[g], optimizer.fp32_partitioned_groups_flat[g], []
+            for p in params:
+                name, i = index[id(p)]
+                part = p.ds_tensor
+                size = part.ds_numel
+                start = rank * size
+                valid = max(0, min(size, p.ds_numel - start))
+                at = _element_offset(part, flat16)
+                if valid:
+                    units.append(PartitionUnit(name, flat32.narrow(0, at, valid), start, i, p.ds_numel))
+                    names.append(name)
+            groups.append((g, names))
+        return units, groups
+    for g, params in enumerate(optimizer.round_robin_bit16_groups):  # ZeRO-1/2: flat groups cut into partitions
+        partition_id = dist.get_rank(group=optimizer.real_dp_process_group[g])
+        flat = optimizer.bit16_groups_flat[g]
+        size = int(optimizer.partition_size[g])
+        lo, hi = partition_id * size, (partition_id + 1) * size
+        flat32, names = optimizer.single_partition_of_fp32_groups[g], []
+        for p in params:
+            name, i = index[id(p)]
+            begin = _element_offset(p.data, flat)
+            a, b = max(begin, lo), min(begin + p.numel(), hi)
+            if a < b:
+                units.append(PartitionUnit(name, flat32.narrow(0, a - lo, b - a), a - begin, i, p.numel()))
+                names.append(name)
+        groups.append((g, names))
+    return units, groups
+
+
+class DeepSpeedExport:
+    """Fair Cast in place of DeepSpeed's fp32 -> 16-bit partition copy (ZeRO-1/2/3), reusing its fp32 master.
+
+    On the optimizer instance, ``_optimizer_step(group)`` is wrapped: after DeepSpeed's optimizer has stepped a
+    partition, the master is stashed, the export runs (random bits keyed by the global element index, EF residual per
+    partition) and the served values are written into the fp32 partition, so DeepSpeed's own copy into its 16-bit
+    partition (and its all-gather) is exact. ``step()`` is wrapped to put the master back once DeepSpeed is done. The
+    16-bit parameters the forward runs on are then the served copy, bit for bit the one-process export.
+    ``resync()`` (after ``load_checkpoint``) writes the restored served values the same way."""
+
+    def __init__(self, optimizer, module: torch.nn.Module, mode: str, dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0):
+        units, groups = deepspeed_units(optimizer, module)
+        self.optimizer = optimizer
+        self.copy = ServedCopy(units, mode, dtype, seed) if units else None
+        self.groups = dict(groups)
+        self.zero3 = hasattr(optimizer, "fp32_partitioned_groups_flat")
+        self.step_count = 0
+        self._stash: dict[int, torch.Tensor] = {}
+        self._optimizer_step = optimizer._optimizer_step
+        self._step = optimizer.step
+        optimizer._optimizer_step = self._wrapped_optimizer_step
+        optimizer.step = self._wrapped_step
+
+    def _flat32(self, group: int) -> torch.Tensor:
+        if self.zero3:
+            return self.optimizer.fp32_partitioned_groups_flat[group]
+        return self.optimizer.single_partition_of_fp32_groups[group]
+
+    @torch.no_grad()
+    def _serve(self, group: int, export_step: int | None) -> None:
+        names = self.groups.get(group, [])
+        if self.copy is None or not names:
+            return
+        self._stash[group] = self._flat32(group).detach().clone()
+        if export_step is not None:
+            self.copy.export(export_step, names)
+        for name in names:
+            self.copy.units[name].apply(self.copy.served[name])  # exact: served values are fp32 values
+
+    def _wrapped_optimizer_step(self, group, *args, **kwargs):
+        out = self._optimizer_step(group, *args, **kwargs)
+        self._serve(group, self.step_count + 1)
+        return out
+
+    @torch.no_grad()
+    def _put_back(self) -> None:
+        for group, master in self._stash.items():
+            self._flat32(group).copy_(master)
+        self._stash.clear()
+
+    def _wrapped_step(self, *args, **kwargs):
+        try:
+            out = self._step(*args, **kwargs)
+        finally:
+            self._put_back()
+        if not getattr(self.optimizer, "overflow", False):  # an overflow-skipped step exports nothing
+            self.step_count += 1
+            if self.copy is not None:
+                self.copy.step = self.step_count
+        return out
+
+    @torch.no_grad()
+    def resync(self) -> None:
+        """Make DeepSpeed's 16-bit weights the served copy again (after ``load_checkpoint``, which re-derives them from
+        the fp32 master by round-to-nearest): the served values go through DeepSpeed's own copy and all-gather."""
+        if self.copy is not None:
+            self.step_count = self.copy.step
+        for group in self.groups:
+            self._serve(group, None)
+        try:
+            if self.zero3:  # as in DeepSpeed's step: release the gathered parameters, write the partitions, re-gather
+                self.optimizer._partition_all_parameters()
+                for group in self.groups:
+                    self.optimizer._reassign_or_swap_out_partitioned_parameters(group)
+                persistent = getattr(self.optimizer, "persistent_parameters", None)
+                if persistent:  # small parameters ZeRO-3 keeps whole on every rank: re-gathered as after a step
+                    persistent[0].all_gather(persistent)
+                if hasattr(self.optimizer, "invalidate_secondary_tensor"):
+                    self.optimizer.invalidate_secondary_tensor()
+            else:
+                self.optimizer.update_lp_params()
+        finally:
+            self._put_back()
