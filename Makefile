@@ -1,5 +1,6 @@
 # Two commands for a fresh machine: `make demo` (the offline demo) and `make test` (the test-suite).
 # Each creates .venv (and `make test` also .venv-vllm, for the real-vLLM tests) and installs what it needs on first use.
+# .venv gets DeepSpeed (built from its sdist without ops, ~20 s) for the ZeRO shard tests on CPU.
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch (resolved from a local wheel on our machines). Override for a CUDA box,
@@ -22,7 +23,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
-	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[dev]"
+	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[dev,deepspeed]"
 	touch $(STAMP)
 
 install-vllm: $(VLLM_STAMP)

@@ -170,12 +170,49 @@ def inject_replica_fault(trainer):
     served.export = drifted
 
 
+def check_zero_against_reference(trainer, record):
+    """Under ZeRO-2: after each step, DeepSpeed's 16-bit weights (what the forward and the twin use) must be the
+    one-process SR export of the fp32 master assembled from every rank's partitions."""
+    from transformers import TrainerCallback
+
+    from trl_fp8 import distributed
+    from trl_fp8.fair_cast.rounding import stochastic_round
+
+    fair_cast = trainer.capability("fair_cast")
+
+    class Reference(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            zero = fair_cast.zero
+            module = zero.module
+            record["served"].append(digest(dict(module.named_parameters())))
+            if fair_cast.sampler is not None:
+                record["sampler"].append(digest(dict(fair_cast.sampler.model.named_parameters())))
+            copy = zero.export.copy
+            pieces = [(n, u.offset, u.master.detach().reshape(-1).clone()) for n, u in copy.units.items()]
+            full = {n: torch.zeros(p.numel()) for n, p in module.named_parameters()}
+            for part in distributed.gather_objects(pieces):
+                for name, offset, master in part:
+                    full[name][offset:offset + master.numel()] = master
+            ok = True
+            for index, (name, p) in enumerate(module.named_parameters()):
+                expected = stochastic_round(full[name], torch.bfloat16, seed=copy.seed, step=state.global_step,
+                                            index=index)
+                ok &= torch.equal(expected.view(torch.int16), p.detach().reshape(-1).view(torch.int16))
+            if copy.mode == "stochastic":
+                record["reference_ok"].append(bool(ok))
+
+    trainer.add_callback(Reference())
+
+
 SCENARIOS = {
     "duet_sr": dict(fair_cast="stochastic", duet=True, duet_budget=0.5),
     "ef": dict(fair_cast="error_feedback", generation_kwargs={"do_sample": False}, beta=0.1),
     "mxfp8": dict(fair_cast="stochastic", mxfp8=True, max_steps=2),
     "fault": dict(fair_cast="stochastic", max_steps=3),
     "replica_fault": dict(fair_cast="stochastic", max_steps=3, sync_checks="default"),
+    # under ZeRO-2 (launched with ACCELERATE_USE_DEEPSPEED=true, ACCELERATE_DEEPSPEED_ZERO_STAGE=2, DS_ACCELERATOR=cpu)
+    "zero2_sr": dict(fair_cast="stochastic", bf16=True, save_strategy="steps", save_steps=2),
+    "zero2_ef": dict(fair_cast="error_feedback", bf16=True),
 }
 
 
@@ -186,7 +223,11 @@ def run(out: str, name: str) -> int:
     trainer = make_trainer(out, name, **SCENARIOS[name])
     record = {"rank": _rank(), "world": _world(), "capabilities": list(trainer.capabilities), "served": [],
               "sampler": [], "duet": [], "error": None}
-    record_served(trainer, record)
+    record["reference_ok"] = []
+    if name.startswith("zero2"):
+        check_zero_against_reference(trainer, record)
+    else:
+        record_served(trainer, record)
     if trainer.capability("duet") is not None:
         record_duet(trainer, record)
     if name == "fault":
@@ -205,6 +246,13 @@ def run(out: str, name: str) -> int:
     record["logs"] = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
     checks = trainer.capability("sync_checks")
     record["checks"] = checks.monitor.summary() if checks is not None else None
+    record["deepspeed"] = bool(trainer.is_deepspeed_enabled)
+    if name == "zero2_sr" and status == 0:  # resume from checkpoint-2 and train step 3 again: the same bits
+        resumed = make_trainer(out, name + "_resumed", **SCENARIOS[name])
+        again = {"served": [], "sampler": [], "reference_ok": []}
+        check_zero_against_reference(resumed, again)
+        resumed.train(resume_from_checkpoint=os.path.join(out, name, "checkpoint-2"))
+        record["resumed"] = again
     with open(os.path.join(out, f"{name}.rank{_rank()}.json"), "w") as f:
         json.dump(record, f)
     return status

@@ -154,6 +154,7 @@ def trainer(args):
 # the config is made before the accelerate environment appears: the trainer start must still refuse
 args = build(fair_cast="stochastic", sync_checks="off")
 os.environ[sys.argv[2]] = "true"
+os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = "3"  # (ZeRO-1/2 run Fair Cast)
 try:
     t = trainer(args)
     out["result"] = "ran: " + ",".join(t.capabilities) + f" ds={t.is_deepspeed_enabled} fsdp={t.is_fsdp_enabled}"
@@ -177,6 +178,6 @@ def test_trainer_start_refuses_an_engine_from_the_environment(tmp_path, variable
                             text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     text = json.loads(result.stdout.strip().splitlines()[-1])["result"]
-    engine = "FSDP1" if variable == "ACCELERATE_USE_FSDP" else "DeepSpeed"
+    engine = "FSDP1" if variable == "ACCELERATE_USE_FSDP" else "DeepSpeed ZeRO-3"
     assert text.startswith(f"fair_cast is not supported with {engine}"), text
     assert "fair_cast='off'" in text

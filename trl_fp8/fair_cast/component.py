@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, fourbit
+from .. import _trl, distributed, fourbit
+from ..numerics import dtype_name
 from ..components import Capability, check_choice
 from ..samplers import SyncLog, TransformersSampler
 from .callback import FairCastCallback
@@ -76,8 +77,11 @@ class FairCast(Capability):
     state_file = "fair_cast_state.pt"
     engines = {
         "ddp": None,  # every replica exports the same bits: SR keyed by (seed, step, tensor), EF deterministic
-        "deepspeed": "the trainer does not yet replace ZeRO's fp32-to-16-bit partition copy with the export (the "
-                     "shard-invariant export itself is trl_fp8.fair_cast.sharded)",
+        "deepspeed": {  # ZeRO-1/2: the export replaces DeepSpeed's fp32 -> 16-bit partition copy (fair_cast.zero)
+            1: None, 2: None,
+            3: "under ZeRO-3 the in-process twin and the checks would need the partitioned parameters gathered, which "
+               "the trainer does not do yet (the partition export itself, trl_fp8.fair_cast.sharded, is tested)",
+        },
         "fsdp": "the trainer does not yet export into FSDP's all-gather shards (the shard-invariant export itself "
                 "is trl_fp8.fair_cast.sharded)",
     }
@@ -133,10 +137,19 @@ class FairCast(Capability):
         if trainer.use_vllm:
             from .vllm import VLLMExport
 
-            self.vllm_export = VLLMExport.install(trainer.vllm_generation, self.served)  # TRL's sync streams it
+            # TRL's sync streams it
+            self.vllm_export = VLLMExport.install(trainer.vllm_generation, self.served, self.export_stream)
         else:
             self.sampler = TransformersSampler(self._twin(trainer, model, units), describe=trainer.describe_tensors)
-        self.callback = FairCastCallback(self.served, lambda name, value: _trl.record_metric(trainer, name, value))
+        record = lambda name, value: _trl.record_metric(trainer, name, value)  # noqa: E731
+        self.zero = None
+        if distributed.detect(trainer).kind == "deepspeed":  # ZeRO-1/2: DeepSpeed holds master and served copy
+            from .zero import ZeroFairCast
+
+            self.zero = ZeroFairCast(trainer, args.fair_cast, self.dtype, args.resolved_fair_cast_seed(), record)
+            self.callback = self.zero
+        else:
+            self.callback = FairCastCallback(self.served, record)
         trainer.add_callback(self.callback)
         return True
 
@@ -170,7 +183,10 @@ class FairCast(Capability):
 
     # -- generation ----------------------------------------------------------------------------------------------
     def export_stream(self):
-        """What an in-process sync streams: the served copy, by learner name."""
+        """What a sync streams: the served copy, by learner name (under ZeRO-1/2, once training runs, DeepSpeed's
+        16-bit weights, which hold it)."""
+        if self.zero is not None and self.zero.active:
+            return self.zero.stream()
         return iter(self.served.served.items())
 
     def sync(self, step: int, observer=None) -> None:
@@ -189,8 +205,20 @@ class FairCast(Capability):
 
     # -- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        if self.zero is not None:  # DeepSpeed checkpoints the master; SR/RTN need only the step to export again
+            step = self.zero.export.step_count if self.zero.active else 0
+            return {"mode": self.served.mode, "served_dtype": dtype_name(self.dtype), "seed": self.served.seed,
+                    "step": step, "deepspeed": True}
         return self.served.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        if self.zero is not None or state.get("deepspeed"):
+            for key, mine in (("mode", self.served.mode), ("served_dtype", dtype_name(self.dtype)),
+                              ("deepspeed", self.zero is not None)):
+                if state.get(key, False) != mine:
+                    raise ValueError(f"Fair Cast checkpoint has {key}={state.get(key)!r}, but this run uses {mine!r}.")
+            self.served.seed = int(state["seed"])
+            self.zero.restored_step = int(state["step"])
+            return
         self.served.load_state_dict(state)
         self.callback.restored = True

@@ -18,14 +18,16 @@ from .served import ServedCopy
 class VLLMExport:
     """The stream TRL's sync sends with Fair Cast: the served tensors under TRL's vLLM names."""
 
-    def __init__(self, generation, served: ServedCopy):
+    def __init__(self, generation, served: ServedCopy, stream=None):
         self.generation = generation
         self.served = served
+        self.stream = stream if stream is not None else (lambda: iter(served.served.items()))
         self.engine_checked = False
 
     @classmethod
-    def install(cls, generation, served: ServedCopy) -> VLLMExport:
-        export = cls(generation, served)
+    def install(cls, generation, served: ServedCopy, stream=None) -> VLLMExport:
+        """``stream``: ``() -> (learner name, served tensor)`` pairs (default: ``served``'s own tensors)."""
+        export = cls(generation, served, stream)
         _trl.set_vllm_stream(generation, export)
         return export
 
@@ -43,7 +45,7 @@ class VLLMExport:
     def __call__(self):
         if not self.engine_checked:
             self.check_engine_dtype()
-        for name, tensor in self.served.served.items():
+        for name, tensor in self.stream():
             if tensor.dtype != self.served.dtype:  # the guard: no implicit RTN downstream of the export
                 raise AssertionError(f"Fair Cast would push '{name}' as {tensor.dtype}, not {self.served.dtype}")
             yield _trl.vllm_name(self.generation, name), tensor

@@ -64,8 +64,11 @@ class SyncChecks(Capability):
     Args = SyncChecksArgs
     engines = {
         "ddp": None,  # every rank checks its own sampler; results and metrics are agreed across ranks
-        "deepspeed": "the checks read the learner's full tensors outside TRL's sync, which on sharded parameters "
-                     "is a collective gather they do not do yet",
+        "deepspeed": {  # ZeRO-1/2 keep every parameter whole on every rank
+            1: None, 2: None,
+            3: "the checks read the learner's full tensors outside TRL's sync, which on ZeRO-3's partitioned "
+               "parameters is a collective gather they do not do yet",
+        },
         "fsdp": "the checks read the learner's full tensors outside TRL's sync, which on sharded parameters is a "
                 "collective gather they do not do yet",
     }

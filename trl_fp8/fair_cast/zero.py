@@ -1,0 +1,84 @@
+"""Fair Cast in the trainer under DeepSpeed ZeRO-1/2 (params whole on every rank; fp32 master partitioned).
+
+DeepSpeed owns the fp32 master (its optimizer partitions) and the 16-bit weights the forward runs on. At the start of
+training (after accelerate has built the engine and loaded a checkpoint) :class:`ZeroFairCast` installs
+:class:`~trl_fp8.fair_cast.sharded.DeepSpeedExport` on the engine's optimizer: from then on every optimizer step
+writes the export into DeepSpeed's 16-bit partitions, which DeepSpeed all-gathers, so the module's 16-bit weights
+*are* the served copy on every rank — the loss runs on them (Fair Cast's "loss on the served copy" for free), and the
+in-process twin is synced from them. SR and RTN resume exactly by exporting DeepSpeed's restored master again at the
+resumed step (the random bits are keyed by (seed, step, tensor, global element)); error feedback's residual lives
+per ZeRO partition, which the trainer's checkpoint does not carry per rank yet, so an EF resume is refused.
+Metrics come from each rank's partitions and are reduced once over the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import TrainerCallback
+
+from .. import distributed
+from .sharded import DeepSpeedExport
+
+
+class ZeroFairCast(TrainerCallback):
+    def __init__(self, trainer, mode: str, dtype: torch.dtype, seed: int, record):
+        self.trainer = trainer
+        self.mode, self.dtype, self.seed = mode, dtype, seed
+        self.record = record
+        self.export: DeepSpeedExport | None = None
+        self.module = None
+        self.restored_step: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.export is not None
+
+    def stream(self):
+        """The served copy: the module's 16-bit weights (whole on every rank under ZeRO-1/2)."""
+        return ((n, p.detach().to(self.dtype)) for n, p in self.module.named_parameters())
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        engine = self.trainer.model_wrapped
+        optimizer = getattr(engine, "optimizer", None)
+        if optimizer is None or not hasattr(optimizer, "single_partition_of_fp32_groups"):
+            raise ValueError("Fair Cast under DeepSpeed expects a ZeRO-1/2 optimizer on the engine, found "
+                             f"{type(optimizer).__name__}.")
+        self.module = engine.module
+        weights = {p.dtype for p in self.module.parameters()}
+        if weights - {self.dtype, torch.float32}:
+            raise ValueError(f"Fair Cast serves {self.dtype} weights, but DeepSpeed computes in "
+                             f"{sorted(map(str, weights))}: set served_dtype to DeepSpeed's 16-bit dtype (bf16=True -> "
+                             "'bfloat16', fp16=True -> 'float16').")
+        if self.export is None:
+            self.export = DeepSpeedExport(optimizer, self.module, self.mode, self.dtype, self.seed)
+        if self.restored_step is not None or state.global_step:
+            step = self.restored_step if self.restored_step is not None else state.global_step
+            if self.mode == "error_feedback":
+                raise ValueError("Resuming Fair Cast error feedback under DeepSpeed is not supported yet: its residual "
+                                 "lives per ZeRO partition and the trainer's checkpoint does not carry per-rank files. "
+                                 "Use fair_cast='stochastic' (it resumes exactly), or DDP.")
+            self.export.step_count = step
+            self._export_again(step)
+
+    @torch.no_grad()
+    def _export_again(self, step: int) -> None:
+        """SR/RTN: the export of DeepSpeed's restored master at ``step`` is the served copy the run had."""
+        export = self.export
+        if export.copy is not None:
+            export.copy.export(step)
+            export.copy.step = step
+        export.resync()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        copy = self.export.copy if self.export is not None else None
+        metrics = copy.metrics() if copy is not None else {}
+        keys = ("visible_update_frac", "lag_steps", "max_abs_err_ulps")
+        present = [1.0 if k in metrics else 0.0 for k in keys]
+        values = [metrics.get(k, 0.0) for k in keys]
+        # every rank holds other partitions: the fraction and lag are averaged, the error is the max (once)
+        reduced = distributed.reduce_floats(values + present, ["sum", "sum", "max", "sum", "sum", "max"],
+                                            self.trainer.accelerator.device)
+        for i, key in enumerate(keys):
+            count = reduced[len(keys) + i]
+            if count:
+                self.record(f"fair_cast/{key}", reduced[i] if key == "max_abs_err_ulps" else reduced[i] / count)
