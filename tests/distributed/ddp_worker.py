@@ -91,7 +91,7 @@ def make_trainer(out, name, **fields):
 
     world = _world()
     kwargs = dict(
-        output_dir=os.path.join(out, name), use_cpu=True, bf16=False, max_steps=3, learning_rate=5e-3,
+        output_dir=os.path.join(out, name), use_cpu=os.environ.get("TRL_FP8_TEST_DEVICE", "cpu") == "cpu", bf16=False, max_steps=3, learning_rate=5e-3,
         per_device_train_batch_size=GLOBAL_BATCH // world, num_generations=4, max_completion_length=8,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=11, sync_checks="all",
     )
@@ -188,7 +188,7 @@ def check_zero_against_reference(trainer, record):
             if fair_cast.sampler is not None:
                 record["sampler"].append(digest(dict(fair_cast.sampler.model.named_parameters())))
             copy = zero.export.copy
-            pieces = [(n, u.offset, u.master.detach().reshape(-1).clone()) for n, u in copy.units.items()]
+            pieces = [(n, u.offset, u.master.detach().reshape(-1).cpu().clone()) for n, u in copy.units.items()]
             full = {n: torch.zeros(p.numel()) for n, p in module.named_parameters()}
             for part in distributed.gather_objects(pieces):
                 for name, offset, master in part:
@@ -197,7 +197,7 @@ def check_zero_against_reference(trainer, record):
             for index, (name, p) in enumerate(module.named_parameters()):
                 expected = stochastic_round(full[name], torch.bfloat16, seed=copy.seed, step=state.global_step,
                                             index=index)
-                ok &= torch.equal(expected.view(torch.int16), p.detach().reshape(-1).view(torch.int16))
+                ok &= torch.equal(expected.view(torch.int16), p.detach().reshape(-1).view(torch.int16).cpu())
             if copy.mode == "stochastic":
                 record["reference_ok"].append(bool(ok))
 

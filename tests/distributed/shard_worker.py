@@ -21,6 +21,7 @@ from trl_fp8.fair_cast import sharded
 
 SEED = 21
 STEPS = 4
+DEVICE = os.environ.get("SHARD_DEVICE", "cpu")  # "cuda": NCCL, the model and the engines on the GPU (device check)
 
 
 class Tiny(torch.nn.Module):
@@ -37,7 +38,7 @@ class Tiny(torch.nn.Module):
 def batch(step, rank):
     g = torch.Generator().manual_seed(1000 * step + rank)
     ids = torch.randint(0, 13, (4, 5), generator=g)
-    return ids, torch.roll(ids, 1, dims=1)
+    return ids.to(DEVICE), torch.roll(ids, 1, dims=1).to(DEVICE)
 
 
 def loss_of(model, ids, target):
@@ -47,8 +48,8 @@ def loss_of(model, ids, target):
 
 def gather_pieces(copy):
     """Every rank's (name, offset, master piece, served piece), on every rank."""
-    mine = [(n, u.offset, u.master.detach().reshape(-1).clone(), copy.served[n].reshape(-1).view(torch.int16).clone())
-            for n, u in copy.units.items()]
+    mine = [(n, u.offset, u.master.detach().reshape(-1).cpu().clone(),
+             copy.served[n].reshape(-1).view(torch.int16).cpu().clone()) for n, u in copy.units.items()]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return [p for part in out for p in part]
@@ -85,12 +86,17 @@ def fsdp2_setup(mode):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = Tiny()
+    model = Tiny().to(DEVICE)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    policy = {}
+    if DEVICE == "cuda":  # the all-gather in the served dtype: exact, since the shards hold served values
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
     for module in (model.embed, model.up, model.down):
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(module, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     run = Run(shapes)
     run.copy = ServedCopy(sharded.fsdp2_units(model), mode, torch.bfloat16, seed=SEED)
@@ -105,7 +111,7 @@ def fsdp2_setup(mode):
         run.copy.after_step(step)
 
     def forward_view():  # what the engine's all-gather hands the forward: the full parameters
-        return {n: p.full_tensor().detach().to(torch.bfloat16).reshape(-1).view(torch.int16)
+        return {n: p.full_tensor().detach().to(torch.bfloat16).reshape(-1).view(torch.int16).cpu()
                 for n, p in model.named_parameters()}
 
     def restart(folder):  # a fresh export object, restored from the checkpoint (the engine keeps its own state)
@@ -147,9 +153,9 @@ def deepspeed_setup(stage):
             params = list(engine.module.parameters())
             if stage == 3:
                 with deepspeed.zero.GatheredParameters(params):
-                    return {n: p.detach().to(torch.bfloat16).reshape(-1).view(torch.int16).clone()
+                    return {n: p.detach().to(torch.bfloat16).reshape(-1).view(torch.int16).cpu().clone()
                             for n, p in engine.module.named_parameters()}
-            return {n: p.detach().reshape(-1).view(torch.int16).clone() for n, p in engine.module.named_parameters()}
+            return {n: p.detach().reshape(-1).view(torch.int16).cpu().clone() for n, p in engine.module.named_parameters()}
 
         def restart(folder):  # a fresh engine from DeepSpeed's checkpoint, a fresh export from ours
             nonlocal engine, optimizer
@@ -212,7 +218,9 @@ def run(out, engine, mode):
 def main():
     out, engines, modes = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     try:
         for engine in engines:
             for mode in modes:
