@@ -242,6 +242,7 @@ SCENARIOS = {
     # under ZeRO-2 (launched with ACCELERATE_USE_DEEPSPEED=true, ACCELERATE_DEEPSPEED_ZERO_STAGE=2, DS_ACCELERATOR=cpu)
     "zero2_sr": dict(fair_cast="stochastic", bf16=True, save_strategy="steps", save_steps=2),
     "zero2_ef": dict(fair_cast="error_feedback", bf16=True),
+    "zero2_duet": dict(fair_cast="stochastic", bf16=True, duet=True, duet_budget=0.5),
 }
 
 

@@ -2,8 +2,8 @@
 launch --config_file zero2.yaml`` sets, ``DS_ACCELERATOR=cpu``, gloo, bf16): Fair Cast replaces DeepSpeed's fp32 ->
 bf16 partition copy, so the weights the forward runs on are the served copy — after every step, the one-process SR
 export of the fp32 master assembled from both ranks' partitions, bit for bit — the in-process twin serves them with
-every weight-sync check passing on both ranks, and a run resumed from checkpoint-2 serves step 3's bits again. About
-35 s."""
+every weight-sync check passing on both ranks, and a run resumed from checkpoint-2 serves step 3's bits again; DUET
+makes one plan for the global batch there too. About 50 s."""
 
 import json
 import os
@@ -30,14 +30,14 @@ def records(tmp_path_factory):
            "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), os.path.join(HERE, "ddp_worker.py"), str(out), "zero2_sr,zero2_ef"],
+         "--master_port", str(port), os.path.join(HERE, "ddp_worker.py"), str(out), "zero2_sr,zero2_ef,zero2_duet"],
         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     return {name: [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(2)]
-            for name in ("zero2_sr", "zero2_ef")}
+            for name in ("zero2_sr", "zero2_ef", "zero2_duet")}
 
 
-@pytest.mark.parametrize("name", ["zero2_sr", "zero2_ef"])
+@pytest.mark.parametrize("name", ["zero2_sr", "zero2_ef", "zero2_duet"])
 def test_fair_cast_and_the_checks_run_under_zero2(records, name):
     a, b = records[name]
     assert a["deepspeed"] and b["deepspeed"] and a["error"] is None
@@ -57,3 +57,12 @@ def test_sr_serves_the_one_process_export_and_resumes_exactly(records):
     assert a["reference_ok"] == b["reference_ok"] == [True, True, True]
     assert a["resumed"]["reference_ok"] == [True]
     assert a["resumed"]["served"] == [a["served"][2]]  # step 3 after resuming from checkpoint-2: the same bits
+
+
+def test_duet_plans_the_global_batch_under_zero2(records):
+    a, b = records["zero2_duet"]
+    assert {"duet", "fair_cast", "sync_checks"} <= set(a["capabilities"]) and a["reference_ok"] == [True] * 3
+    assert len(a["duet"]) == 3
+    for da, db in zip(a["duet"], b["duet"], strict=True):
+        assert da["counts"] == db["counts"] and da["global"] == db["global"]
+        assert da["local"] + db["local"] == da["global"] and sum(da["counts"]) < 8

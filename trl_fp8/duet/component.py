@@ -53,8 +53,11 @@ class Duet(Capability):
     Args = DuetArgs
     engines = {
         "ddp": None,  # one plan for the global batch, identical on every rank (trl_fp8.duet.ranks)
-        "deepspeed": "each rank generates a different number of rollouts, and under ZeRO-3 generation is a collective "
-                     "(ZeRO-1/2 have not been run)",
+        "deepspeed": {  # ZeRO-1/2 keep the parameters whole: generation involves no collective
+            1: None, 2: None,
+            3: "each rank generates a different number of rollouts, and under ZeRO-3 generation is a collective "
+               "(every rank must run the same forward passes)",
+        },
         "fsdp": "each rank generates a different number of rollouts, and under FSDP generation is a collective",
     }
     off_hint = "duet=False"
