@@ -241,7 +241,7 @@ SCENARIOS = {
                        max_steps=3),
     # under ZeRO-2 (launched with ACCELERATE_USE_DEEPSPEED=true, ACCELERATE_DEEPSPEED_ZERO_STAGE=2, DS_ACCELERATOR=cpu)
     "zero2_sr": dict(fair_cast="stochastic", bf16=True, save_strategy="steps", save_steps=2),
-    "zero2_ef": dict(fair_cast="error_feedback", bf16=True),
+    "zero2_ef": dict(fair_cast="error_feedback", bf16=True, save_strategy="steps", save_steps=2),
     "zero2_duet": dict(fair_cast="stochastic", bf16=True, duet=True, duet_budget=0.5),
 }
 
@@ -279,7 +279,7 @@ def run(out: str, name: str) -> int:
     checks = trainer.capability("sync_checks")
     record["checks"] = checks.monitor.summary() if checks is not None else None
     record["deepspeed"] = bool(trainer.is_deepspeed_enabled)
-    if name == "zero2_sr" and status == 0:  # resume from checkpoint-2 and train step 3 again: the same bits
+    if name in ("zero2_sr", "zero2_ef") and status == 0:  # resume from checkpoint-2, train step 3 again: same bits
         resumed = make_trainer(out, name + "_resumed", **SCENARIOS[name])
         again = {"served": [], "sampler": [], "reference_ok": []}
         check_zero_against_reference(resumed, again)

@@ -66,3 +66,8 @@ def test_duet_plans_the_global_batch_under_zero2(records):
     for da, db in zip(a["duet"], b["duet"], strict=True):
         assert da["counts"] == db["counts"] and da["global"] == db["global"]
         assert da["local"] + db["local"] == da["global"] and sum(da["counts"]) < 8
+
+
+def test_ef_resumes_exactly_from_each_ranks_state_file(records):
+    a, b = records["zero2_ef"]
+    assert a["resumed"]["served"] == b["resumed"]["served"] == [a["served"][2]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -207,8 +208,10 @@ class FairCast(Capability):
     def state_dict(self) -> dict:
         if self.zero is not None:  # DeepSpeed checkpoints the master; SR/RTN need only the step to export again
             step = self.zero.export.step_count if self.zero.active else 0
+            args = self.zero.trainer.args  # EF: where every rank writes its partitions' state at this save
             return {"mode": self.served.mode, "served_dtype": dtype_name(self.dtype), "seed": self.served.seed,
-                    "step": step, "deepspeed": True}
+                    "step": step, "deepspeed": True,
+                    "rank_folder": os.path.abspath(self.zero._checkpoint_folder(args, step))}
         return self.served.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
@@ -219,6 +222,7 @@ class FairCast(Capability):
                     raise ValueError(f"Fair Cast checkpoint has {key}={state.get(key)!r}, but this run uses {mine!r}.")
             self.served.seed = int(state["seed"])
             self.zero.restored_step = int(state["step"])
+            self.zero.rank_folder = state.get("rank_folder")
             return
         self.served.load_state_dict(state)
         self.callback.restored = True

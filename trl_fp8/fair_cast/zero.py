@@ -6,18 +6,23 @@ training (after accelerate has built the engine and loaded a checkpoint) :class:
 writes the export into DeepSpeed's 16-bit partitions, which DeepSpeed all-gathers, so the module's 16-bit weights
 *are* the served copy on every rank — the loss runs on them (Fair Cast's "loss on the served copy" for free), and the
 in-process twin is synced from them. SR and RTN resume exactly by exporting DeepSpeed's restored master again at the
-resumed step (the random bits are keyed by (seed, step, tensor, global element)); error feedback's residual lives
-per ZeRO partition, which the trainer's checkpoint does not carry per rank yet, so an EF resume is refused.
-Metrics come from each rank's partitions and are reduced once over the ranks.
+resumed step (the random bits are keyed by (seed, step, tensor, global element)). Error feedback's residual lives
+per ZeRO partition: at each save every rank writes its own ``fair_cast_state.rank<r>.pt`` (served values, residual
+and their global layout) into ``<output_dir>/checkpoint-<step>`` next to DeepSpeed's per-rank files, and a resume
+reads it back (re-sharded by global element index if the world size changed) — or refuses, naming the file, when it
+is not there. Metrics come from each rank's partitions and are reduced once over the ranks.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import distributed
-from .sharded import DeepSpeedExport
+from .sharded import DeepSpeedExport, load_sharded_state, save_sharded_state, shard_state_file
 
 
 class ZeroFairCast(TrainerCallback):
@@ -28,6 +33,7 @@ class ZeroFairCast(TrainerCallback):
         self.export: DeepSpeedExport | None = None
         self.module = None
         self.restored_step: int | None = None
+        self.rank_folder: str | None = None  # where a resumed checkpoint's per-rank files were written
 
     @property
     def active(self) -> bool:
@@ -53,12 +59,38 @@ class ZeroFairCast(TrainerCallback):
             self.export = DeepSpeedExport(optimizer, self.module, self.mode, self.dtype, self.seed)
         if self.restored_step is not None or state.global_step:
             step = self.restored_step if self.restored_step is not None else state.global_step
-            if self.mode == "error_feedback":
-                raise ValueError("Resuming Fair Cast error feedback under DeepSpeed is not supported yet: its residual "
-                                 "lives per ZeRO partition and the trainer's checkpoint does not carry per-rank files. "
-                                 "Use fair_cast='stochastic' (it resumes exactly), or DDP.")
             self.export.step_count = step
-            self._export_again(step)
+            if self.mode == "error_feedback":
+                self._load_rank_state(args, step)
+            else:
+                self._export_again(step)
+
+    def _checkpoint_folder(self, args, step: int) -> str:
+        return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+    def _load_rank_state(self, args, step: int) -> None:
+        """EF: this rank's served values and residual from its own file (re-sharded from every rank's when the world
+        size changed), then DeepSpeed's 16-bit weights are made the served copy again. The files are looked for where
+        they were written (recorded in the checkpoint's Fair Cast state), then in ``<output_dir>/checkpoint-<step>``."""
+        name = shard_state_file(distributed.rank())
+        candidates = [f for f in (self.rank_folder, self._checkpoint_folder(args, step)) if f]
+        folder = next((f for f in candidates if os.path.isfile(os.path.join(f, name))
+                       or os.path.isfile(os.path.join(f, shard_state_file(0)))), None)
+        if folder is None:
+            raise ValueError(f"Resuming Fair Cast error feedback under DeepSpeed needs each rank's {name} (written "
+                             f"beside DeepSpeed's own per-rank files at each save); looked in {', '.join(candidates)}. "
+                             "Resume from the checkpoint folder the run wrote, or use fair_cast='stochastic'.")
+        load_sharded_state(self.export.copy, folder, distributed.rank(), distributed.world_size())
+        self.export.copy.step = step
+        self.export.resync()
+
+    def on_save(self, args, state, control, **kwargs):
+        """Every rank writes its partitions' Fair Cast state into the checkpoint just saved (EF: the residual)."""
+        if self.export is None or self.export.copy is None or self.mode != "error_feedback":
+            return
+        folder = self._checkpoint_folder(args, state.global_step)
+        if os.path.isdir(folder):
+            save_sharded_state(self.export.copy, folder, distributed.rank(), distributed.world_size())
 
     @torch.no_grad()
     def _export_again(self, step: int) -> None:
