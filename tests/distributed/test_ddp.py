@@ -1,6 +1,7 @@
 """DDP end to end: ``torchrun --nproc_per_node 2`` runs of trl_fp8.GRPOTrainer on CPU (gloo), against one process
-with the same global batch. One launch runs every scenario of ``ddp_worker.py`` (about 35 s on two cores), the
-one-process reference another (about 15 s)."""
+with the same global batch. One launch runs every scenario of ``ddp_worker.py`` (Fair Cast SR + DUET, EF, MXFP8,
+fast QLoRA + Fair Cast, two injected faults; about 45 s on two cores), the one-process reference another (about
+15 s)."""
 
 import json
 import os
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "ddp_worker.py")
-SCENARIOS = ("duet_sr", "ef", "mxfp8", "fault", "replica_fault")
+SCENARIOS = ("duet_sr", "ef", "mxfp8", "qlora", "fault", "replica_fault")
 
 
 def _env():
@@ -70,12 +71,12 @@ def test_both_ranks_stop_with_the_same_error_and_the_launch_fails(runs):
                                         "sent other bits than rank 0 for 1 tensor(s)"), drift[0]["error"]
 
 
-@pytest.mark.parametrize("name", ["duet_sr", "ef", "mxfp8"])
+@pytest.mark.parametrize("name", ["duet_sr", "ef", "mxfp8", "qlora"])
 def test_replicas_serve_identical_bits_and_the_checks_run_on_every_rank(runs, name):
     a, b = _load(runs["two"], name, 2)
     assert a["error"] is None and b["error"] is None
     assert a["capabilities"] == b["capabilities"] and "sync_checks" in a["capabilities"]
-    steps = 3 if name != "mxfp8" else 2
+    steps = 3 if name not in ("mxfp8", "qlora") else 2
     assert len(a["served"]) == steps + 1 and a["served"] == b["served"]  # Fair Cast's export, every step
     assert a["sampler"] == b["sampler"] and len(set(a["sampler"])) == steps  # what each rank's sampler holds
     for summary in (a["checks"], b["checks"]):

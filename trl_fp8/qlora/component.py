@@ -121,7 +121,7 @@ class FastQLoRA(Capability):
     name = "fast_qlora"
     Args = FastQLoRAArgs
     engines = {
-        "ddp": "not run with many processes yet (its dense copies and rollout cache are per process; untested)",
+        "ddp": None,  # each rank keeps the same dense copies and its own rollout cache; DDP reduces the adapters' grads
         "deepspeed": "ZeRO would partition the 4-bit bases its dense copies and rollout cache are built from",
         "fsdp": "FSDP would shard the 4-bit bases its dense copies and rollout cache are built from",
     }
