@@ -254,6 +254,7 @@ SCENARIOS = {
     "zero2_sr": dict(fair_cast="stochastic", bf16=True, save_strategy="steps", save_steps=2),
     "zero2_ef": dict(fair_cast="error_feedback", bf16=True, save_strategy="steps", save_steps=2),
     "zero2_duet": dict(fair_cast="stochastic", bf16=True, duet=True, duet_budget=0.5),
+    "zero2_mxfp8": dict(fair_cast="stochastic", bf16=True, mxfp8=True, max_steps=2),
 }
 
 

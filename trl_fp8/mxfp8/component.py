@@ -35,7 +35,7 @@ class MXFP8(Capability):
     Args = MXFP8Args
     engines = {
         "ddp": None,  # each replica converts the same linears; DDP all-reduces the fp32 master gradients
-        "deepspeed": "torchao's MXFP8 linears over ZeRO's flat 16-bit partitions have not been made to work",
+        "deepspeed": {1: None, 2: None, 3: "torchao's MXFP8 linears over ZeRO-3's partitioned parameters have not been made to work"},
         "fsdp": "torchao's MXFP8 linears over FSDP shards (an MX all-gather) have not been made to work",
     }
     off_hint = "mxfp8=False"
