@@ -6,6 +6,7 @@ embedded demo model and writes what the test compares to ``OUT/<scenario>.rank<r
   plan and importance weights (global and this rank's slice), the metrics logged;
 - ``ef``: Fair Cast EF + every check, greedy generation and a reward keyed by the *global* row (so one process with
   the same global batch computes the same losses): served digests and losses;
+- ``duet_keyed``: Fair Cast SR + every check + DUET with the same split-independent sampling and reward as ``ef``;
 - ``mxfp8``: MXFP8 + Fair Cast SR + every check, two steps;
 - ``qlora``: fast QLoRA (LoRA over the demo model in NF4) + Fair Cast SR + every check, two steps;
 - ``fault``: Fair Cast SR + every check; rank 1 (only) corrupts one weight of its sampler from the sync to step 1.
@@ -52,18 +53,19 @@ def row_reward(completions, trainer_state=None, **kwargs):
 
 
 class KeyedGumbel:
-    """Greedy decoding of ``scores + Gumbel noise`` keyed by (global row, step, position): sampling whose draws do not
-    depend on how the global batch is split over ranks (test scaffolding: one process and N ranks then generate the
-    same completions, and the rows of a group differ)."""
+    """Greedy decoding of ``scores + Gumbel noise`` keyed by (prompt, its occurrence in the call, step, position):
+    sampling whose draws do not depend on how the global batch is split over ranks, as long as a group's rows are on
+    one rank (test scaffolding: one process and N ranks then generate the same completions, and the rows of a group
+    differ; DUET's planned rows keep their keys too)."""
 
-    def __init__(self, rows: int, step: int):
-        self.rows, self.step = rows, step
+    def __init__(self, keys: list[int], step: int):
+        self.keys, self.step = keys, step
 
     def __call__(self, input_ids, scores):
-        start = _rank() * self.rows
         noise = torch.empty_like(scores)
-        for i in range(scores.size(0)):
-            g = torch.Generator().manual_seed(((start + i) * 1000003 + self.step * 9176 + input_ids.size(1)) & 0x7FFFFFFF)
+        for i, key in enumerate(self.keys):
+            seed = (key * 1000003 + self.step * 9176 + input_ids.size(1)) & 0x7FFFFFFFFFFF
+            g = torch.Generator().manual_seed(seed)
             u = torch.rand(scores.size(1), generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
             noise[i] = (-torch.log(-torch.log(u))).to(scores.dtype)
         return scores + noise
@@ -76,9 +78,14 @@ def keyed_sampling(trainer):
     original = GenerationMixin.generate
 
     def generate(self, *args, logits_processor=None, **kwargs):
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]
+        seen, keys = {}, []
+        for row in ids.tolist():
+            prompt = int(hashlib.sha256(repr(row).encode()).hexdigest()[:8], 16)
+            seen[prompt] = seen.get(prompt, -1) + 1
+            keys.append(prompt * 31 + seen[prompt])
         processors = LogitsProcessorList(list(logits_processor or []))
-        rows = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).size(0)
-        processors.append(KeyedGumbel(rows, trainer.state.global_step))
+        processors.append(KeyedGumbel(keys, trainer.state.global_step))
         return original(self, *args, logits_processor=processors, **kwargs)
 
     GenerationMixin.generate = generate
@@ -97,7 +104,7 @@ def make_trainer(out, name, **fields):
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=11, sync_checks="all",
     )
     kwargs.update(fields)
-    reward = row_reward if name == "ef" else correctness_reward
+    reward = row_reward if name in KEYED else correctness_reward
     peft_config = None
     if kwargs.get("fast_qlora", "off") != "off":  # LoRA over the demo model in NF4 (bitsandbytes' CPU backend)
         from peft import LoraConfig
@@ -238,9 +245,12 @@ def check_zero_against_reference(trainer, record):
     trainer.add_callback(Reference())
 
 
+KEYED = ("ef", "duet_keyed")  # split-independent sampling and the global-row reward: comparable with one process
 SCENARIOS = {
     "duet_sr": dict(fair_cast="stochastic", duet=True, duet_budget=0.5),
     "ef": dict(fair_cast="error_feedback", generation_kwargs={"do_sample": False}, beta=0.1),
+    "duet_keyed": dict(fair_cast="stochastic", duet=True, duet_budget=0.5, generation_kwargs={"do_sample": False},
+                       beta=0.1),
     "mxfp8": dict(fair_cast="stochastic", mxfp8=True, max_steps=2),
     "qlora": dict(fast_qlora="on", fair_cast="stochastic", max_steps=2, learning_rate=1e-3),
     "fault": dict(fair_cast="stochastic", max_steps=3),
@@ -278,7 +288,7 @@ def run(out: str, name: str) -> int:
         inject_replica_fault(trainer)
     if name == "vllm_fault":
         inject_vllm_fault(trainer)
-    restore = keyed_sampling(trainer) if name == "ef" else (lambda: None)
+    restore = keyed_sampling(trainer) if name in KEYED else (lambda: None)
     status = 0
     try:
         trainer.train()

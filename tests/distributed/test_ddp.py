@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "ddp_worker.py")
-SCENARIOS = ("duet_sr", "ef", "mxfp8", "qlora", "fault", "replica_fault")
+SCENARIOS = ("duet_sr", "ef", "duet_keyed", "mxfp8", "qlora", "fault", "replica_fault")
 
 
 def _env():
@@ -45,8 +45,8 @@ def runs(tmp_path_factory):
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(_free_port()), WORKER, str(two), ",".join(SCENARIOS)],
         capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
-    single = subprocess.run([sys.executable, WORKER, str(one), "ef"], capture_output=True, text=True, timeout=600,
-                            env=_env(), cwd=ROOT)
+    single = subprocess.run([sys.executable, WORKER, str(one), "ef,duet_keyed"], capture_output=True, text=True,
+                            timeout=600, env=_env(), cwd=ROOT)
     assert single.returncode == 0, single.stderr[-4000:]
     return {"two": two, "one": one, "launch": launch}
 
@@ -71,7 +71,7 @@ def test_both_ranks_stop_with_the_same_error_and_the_launch_fails(runs):
                                         "sent other bits than rank 0 for 1 tensor(s)"), drift[0]["error"]
 
 
-@pytest.mark.parametrize("name", ["duet_sr", "ef", "mxfp8", "qlora"])
+@pytest.mark.parametrize("name", ["duet_sr", "ef", "duet_keyed", "mxfp8", "qlora"])
 def test_replicas_serve_identical_bits_and_the_checks_run_on_every_rank(runs, name):
     a, b = _load(runs["two"], name, 2)
     assert a["error"] is None and b["error"] is None
@@ -122,3 +122,16 @@ def test_same_losses_as_one_process_with_the_same_global_batch(runs):
         assert x == pytest.approx(y, rel=tol, abs=1e-7), key
     assert _metric_series(two, "loss")[1] > 1e-3  # a real loss (the KL term), not a vacuous zero
     assert two["served"][0] == one["served"][0]  # the first export: the same bits on any number of processes
+
+
+def test_duet_plans_as_one_process_with_the_same_global_batch(runs):
+    """With split-independent sampling, DUET on 2 ranks makes one process's plans, weights and token counts, and the
+    losses follow: the allocation is a function of the global batch only."""
+    two = _load(runs["two"], "duet_keyed", 2)
+    one = _load(runs["one"], "duet_keyed", 1)[0]
+    assert [d["counts"] for d in two[0]["duet"]] == [d["counts"] for d in one["duet"]]
+    assert [d["global"] for d in two[0]["duet"]] == [d["global"] for d in one["duet"]]
+    assert [d["local"] for d in one["duet"]] == [d["global"] for d in one["duet"]]
+    for key, tol in (("duet/tokens", 0.0), ("duet/rollouts_per_prompt/mean", 0.0), ("loss", 1e-4), ("kl", 1e-4)):
+        x, y = _metric_series(two[0], key), _metric_series(one, key)
+        assert len(x) == len(y) == 3 and x == pytest.approx(y, rel=tol, abs=1e-7), key

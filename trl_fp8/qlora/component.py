@@ -122,7 +122,8 @@ class FastQLoRA(Capability):
     Args = FastQLoRAArgs
     engines = {
         "ddp": None,  # each rank keeps the same dense copies and its own rollout cache; DDP reduces the adapters' grads
-        "deepspeed": "ZeRO would partition the 4-bit bases its dense copies and rollout cache are built from",
+        "deepspeed": "DeepSpeed casts and flattens the model's parameters for its 16-bit partitions, and bitsandbytes' "
+                     "4-bit bases (which its dense copies and rollout cache are built from) have not been run under it",
         "fsdp": "FSDP would shard the 4-bit bases its dense copies and rollout cache are built from",
     }
     off_hint = "fast_qlora='off'"
