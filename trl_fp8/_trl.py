@@ -141,6 +141,15 @@ def repatch_fused_head(trainer, twin: torch.nn.Module) -> None:
                           outputs=("log_probs", "entropy"))
 
 
+def patch_fused_head(trainer, policy: torch.nn.Module, twin: torch.nn.Module) -> None:
+    """Give a freshly built copy of the policy (not a deep copy) TRL's fused-head forward, as the policy has it."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    if "forward" in vars(policy) and "forward" not in vars(twin):
+        add_fused_lm_head(twin, temperature=trainer.temperature, cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32,
+                          outputs=("log_probs", "entropy"))
+
+
 # -- TRL's command line --------------------------------------------------------------------------------------------
 def resolve_accelerate_config(args: list[str]) -> list[str]:
     """``--accelerate_config NAME`` resolved as ``trl grpo`` resolves it (TRL's named configs or a file)."""

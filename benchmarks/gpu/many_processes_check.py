@@ -8,11 +8,11 @@ DeepSpeed's CUDA engine) only run here. It runs, each in its own process:
    ``deepspeed.initialize`` ZeRO-1/2/3 (bf16), Fair Cast SR and EF over 4 steps: the served copy assembled from the
    shards, and the weights the engine hands the forward, equal the one-process export of the assembled master bit
    for bit (the reference on the CPU: CPU and CUDA kernels must agree), and a resume from step 2 serves the same bits;
-2. trainer level: ``trl_fp8.GRPOTrainer`` under ZeRO-2 (the environment ``accelerate launch --config_file zero2.yaml``
-   sets) with Fair Cast SR/EF and every weight-sync check, bf16 on the GPU; SR's served weights equal the reference
-   export each step and a resume from checkpoint-2 serves step 3's bits;
-3. guards: Fair Cast asked for under ZeRO-3 and FSDP2 (from the environment, with the trainer's real
-   ``is_deepspeed_enabled`` / ``is_fsdp_enabled``) is refused, naming the engine.
+2. trainer level: ``trl_fp8.GRPOTrainer`` under ZeRO-2 and ZeRO-3 (the environment ``accelerate launch --config_file
+   zero2.yaml`` sets) with Fair Cast SR/EF and every weight-sync check, bf16 on the GPU; SR's served weights equal
+   the reference export each step and a resume from checkpoint-2 serves step 3's bits (SR and EF);
+3. guards: DUET asked for under ZeRO-3 and Fair Cast under FSDP2 (from the environment, with the trainer's real
+   ``is_deepspeed_enabled`` / ``is_fsdp_enabled``) are refused, naming the engine.
 
     python benchmarks/gpu/many_processes_check.py                  # on the GPU machine
     python benchmarks/gpu/many_processes_check.py --device cpu --quick   # smoke run anywhere (the test-suite does this)
@@ -40,7 +40,7 @@ from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
 
 args = trl_fp8.GRPOConfig(output_dir=sys.argv[1], use_cpu=sys.argv[2] == "cpu", report_to="none", max_steps=1,
                           num_generations=4, per_device_train_batch_size=4, max_completion_length=4,
-                          fair_cast="stochastic", sync_checks="off")
+                          sync_checks="off", **json.loads(sys.argv[4]))
 for key, value in json.loads(sys.argv[3]).items():  # the engine appears after the config: the trainer must refuse
     os.environ[key] = value
 try:
@@ -97,25 +97,28 @@ def engine_level(out, device, engines, timeout) -> bool:
     return ok
 
 
-def trainer_level(out, device, timeout) -> bool:
-    env = _env(device, ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="2",
+def trainer_level(out, device, timeout, stage) -> bool:
+    env = _env(device, ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage),
                TRL_FP8_TEST_DEVICE=device)
-    result, seconds = _torchrun(os.path.join(TESTS, "ddp_worker.py"), [out, "zero2_sr,zero2_ef"], env, timeout)
-    print(f"\n2. trainer under ZeRO-2, world size 1 ({seconds:.0f} s)")
+    names = [f"zero{stage}_sr", f"zero{stage}_ef"]
+    result, seconds = _torchrun(os.path.join(TESTS, "ddp_worker.py"), [out, ",".join(names)], env, timeout)
+    print(f"\n2. trainer under ZeRO-{stage}, world size 1 ({seconds:.0f} s)")
     if result.returncode != 0:
         print(result.stdout[-3000:] + result.stderr[-5000:])
         return False
     ok = True
-    for name in ("zero2_sr", "zero2_ef"):
+    for name in names:
         r = json.load(open(os.path.join(out, f"{name}.rank0.json")))
         checks = r["checks"] or {}
         line = (f"{name}: deepspeed={r['deepspeed']} capabilities={r['capabilities']} steps={len(r['served'])} "
                 f"checks compared={checks.get('compared')} failed={checks.get('failed')}")
         good = r["deepspeed"] and r["error"] is None and not checks.get("failed") and len(set(r["served"])) == 3
-        if name == "zero2_sr":
-            resumed = r.get("resumed") or {}
-            good &= r["reference_ok"] == [True] * 3 and resumed.get("served") == [r["served"][2]]
-            line += f" reference={r['reference_ok']} resume_exact={resumed.get('served') == [r['served'][2]]}"
+        resumed = r.get("resumed") or {}
+        good &= resumed.get("served") == [r["served"][2]]
+        line += f" resume_exact={resumed.get('served') == [r['served'][2]]}"
+        if name.endswith("_sr"):
+            good &= r["reference_ok"] == [True] * 3
+            line += f" reference={r['reference_ok']}"
         ok &= bool(good)
         print(line)
     return ok
@@ -124,20 +127,23 @@ def trainer_level(out, device, timeout) -> bool:
 def guards(out, device, timeout) -> bool:
     print("\n3. guards at trainer start (the engine from the environment)")
     ok = True
-    cases = {"ZeRO-3": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
-             "FSDP2": {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}}
+    cases = {"ZeRO-3": ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+                        {"duet": True}, "duet"),
+             "FSDP2": ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, {"fair_cast": "stochastic"}, "fair_cast")}
     if device == "cpu":
         cases.pop("ZeRO-3")  # needs DeepSpeed's process group: the 2-rank CPU tests cover it
-    for label, env in cases.items():
-        result = subprocess.run([sys.executable, "-c", GUARD, out, device, json.dumps(env)], capture_output=True,
+    for label, (env, fields, capability) in cases.items():
+        result = subprocess.run([sys.executable, "-c", GUARD, out, device, json.dumps(env), json.dumps(fields)],
+                                capture_output=True,
                                 text=True, env=_env(device, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()),
                                                     RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"), timeout=timeout,
                                 cwd=ROOT)
         text = json.loads(result.stdout.strip().splitlines()[-1])["result"] if result.returncode == 0 else \
             result.stderr[-2000:]
-        good = text.startswith("fair_cast is not supported with") and label.replace("-", "") in text.replace("-", "")
+        good = text.startswith(f"{capability} is not supported with") and label.replace("-", "") in \
+            text.replace("-", "")
         ok &= good
-        print(f"{label}: {'refused' if good else 'NOT REFUSED'}: {text[:200]}")
+        print(f"{label}: {capability} {'refused' if good else 'NOT REFUSED'}: {text[:200]}")
     return ok
 
 
@@ -166,7 +172,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="trl_fp8_many_") as out:
         ok &= engine_level(out, args.device, engines, args.timeout)
         if have_deepspeed and not args.quick:
-            ok &= trainer_level(out, args.device, args.timeout)
+            for stage in (2, 3):
+                ok &= trainer_level(out, args.device, args.timeout, stage)
         ok &= guards(out, args.device, args.timeout)
     print("many_processes_device_check: done" if ok else "many_processes_device_check: FAILED")
     return 0 if ok else 1

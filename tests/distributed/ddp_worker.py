@@ -225,17 +225,18 @@ def check_zero_against_reference(trainer, record):
         def on_step_end(self, args, state, control, **kwargs):
             zero = fair_cast.zero
             module = zero.module
-            record["served"].append(digest(dict(module.named_parameters())))
+            weights = dict(zero.stream())  # the module's 16-bit weights (gathered under ZeRO-3)
+            record["served"].append(digest(weights))
             if fair_cast.sampler is not None:
                 record["sampler"].append(digest(dict(fair_cast.sampler.model.named_parameters())))
             copy = zero.export.copy
             pieces = [(n, u.offset, u.master.detach().reshape(-1).cpu().clone()) for n, u in copy.units.items()]
-            full = {n: torch.zeros(p.numel()) for n, p in module.named_parameters()}
+            full = {n: torch.zeros(w.numel()) for n, w in weights.items()}
             for part in distributed.gather_objects(pieces):
                 for name, offset, master in part:
                     full[name][offset:offset + master.numel()] = master
             ok = True
-            for index, (name, p) in enumerate(module.named_parameters()):
+            for index, (name, p) in enumerate(weights.items()):
                 expected = stochastic_round(full[name], torch.bfloat16, seed=copy.seed, step=state.global_step,
                                             index=index)
                 ok &= torch.equal(expected.view(torch.int16), p.detach().reshape(-1).view(torch.int16).cpu())
@@ -265,6 +266,9 @@ SCENARIOS = {
     "zero2_ef": dict(fair_cast="error_feedback", bf16=True, save_strategy="steps", save_steps=2),
     "zero2_duet": dict(fair_cast="stochastic", bf16=True, duet=True, duet_budget=0.5),
     "zero2_mxfp8": dict(fair_cast="stochastic", bf16=True, mxfp8=True, max_steps=2),
+    # under ZeRO-3 (ACCELERATE_DEEPSPEED_ZERO_STAGE=3)
+    "zero3_sr": dict(fair_cast="stochastic", bf16=True, save_strategy="steps", save_steps=2),
+    "zero3_ef": dict(fair_cast="error_feedback", bf16=True, save_strategy="steps", save_steps=2),
 }
 
 
@@ -276,7 +280,7 @@ def run(out: str, name: str) -> int:
     record = {"rank": _rank(), "world": _world(), "capabilities": list(trainer.capabilities), "served": [],
               "sampler": [], "duet": [], "error": None}
     record["reference_ok"] = []
-    if name.startswith("zero2"):
+    if name.startswith("zero"):
         check_zero_against_reference(trainer, record)
     else:
         record_served(trainer, record)
@@ -301,7 +305,7 @@ def run(out: str, name: str) -> int:
     checks = trainer.capability("sync_checks")
     record["checks"] = checks.monitor.summary() if checks is not None else None
     record["deepspeed"] = bool(trainer.is_deepspeed_enabled)
-    if name in ("zero2_sr", "zero2_ef") and status == 0:  # resume from checkpoint-2, train step 3 again: same bits
+    if name in ("zero2_sr", "zero2_ef", "zero3_sr", "zero3_ef") and status == 0:  # resume from checkpoint-2, train step 3 again: same bits
         resumed = make_trainer(out, name + "_resumed", **SCENARIOS[name])
         again = {"served": [], "sampler": [], "reference_ok": []}
         check_zero_against_reference(resumed, again)

@@ -17,5 +17,5 @@ def test_device_check_script_smoke_runs_on_cpu():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "fsdp2 |     stochastic |               True |         True" in out
-    assert "FSDP2: refused: fair_cast is not supported with FSDP2" in out
+    assert "FSDP2: fair_cast refused: fair_cast is not supported with FSDP2" in out
     assert out.rstrip().endswith("many_processes_device_check: done")

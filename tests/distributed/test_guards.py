@@ -84,22 +84,23 @@ def test_every_capability_declares_each_engine(capability):
 def test_default_checks_switch_off_with_one_line_instead_of_refusing(caplog):
     from trl_fp8.sync.component import SyncChecks
 
-    engine = Engine("deepspeed", 2, 3, source="zero3.yaml")
+    engine = Engine("fsdp", 2, fsdp_version=2, source="fsdp2.yaml")
     with caplog.at_level(logging.INFO, logger="trl_fp8.distributed"):
         assert admit(SyncChecks, SimpleNamespace(sync_checks="default", use_vllm=True), engine) is False
-    assert [r.levelname for r in caplog.records] == ["WARNING"] and "ZeRO-3" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "FSDP2" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trl_fp8.distributed"):  # TRL's own sampler: nothing to check
         assert admit(SyncChecks, SimpleNamespace(sync_checks="default", use_vllm=False, fair_cast="off"), engine) is False
     assert [r.levelname for r in caplog.records] == ["INFO"]
-    with pytest.raises(ValueError, match="sync_checks is not supported with DeepSpeed ZeRO-3"):
+    with pytest.raises(ValueError, match="sync_checks is not supported with FSDP2"):
         admit(SyncChecks, SimpleNamespace(sync_checks="all"), engine)
 
 
 def test_support_table_has_every_capability_and_engine():
     table = dict(distributed.support_table())
     assert set(table) == {c.name for c in CAPABILITIES}
-    assert table["fair_cast"]["DDP"] == "supported" and table["fair_cast"]["ZeRO-3"].startswith("refused: ")
+    assert table["fair_cast"]["DDP"] == table["fair_cast"]["ZeRO-3"] == "supported"
+    assert table["fair_cast"]["FSDP2"].startswith("refused: ")
     assert all(row["one process"] == "supported" for row in table.values())
 
 
@@ -122,17 +123,19 @@ def test_config_refuses_fsdp_from_an_accelerate_config(monkeypatch, tmp_path, na
     assert f"{name} is not supported with FSDP2" in text and "ACCELERATE_USE_FSDP" in text, text
 
 
-def test_config_refuses_deepspeed_from_an_accelerate_config(monkeypatch, tmp_path):
+@pytest.mark.parametrize("stage,fields,name", [(3, {"duet": True}, "duet"), (3, {"mxfp8": True}, "mxfp8"),
+                                               (2, {"fast_qlora": "on"}, "fast_qlora")])
+def test_config_refuses_deepspeed_from_an_accelerate_config(monkeypatch, tmp_path, stage, fields, name):
     pytest.importorskip("deepspeed")  # transformers builds a DeepSpeed plugin from the environment
     import trl_fp8
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", str(stage))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    with pytest.raises(ValueError, match=r"fair_cast is not supported with DeepSpeed ZeRO-3 \(asked for by an "
+    with pytest.raises(ValueError, match=rf"{name} is not supported with DeepSpeed ZeRO-{stage} \(asked for by an "
                                          r"accelerate config \(ACCELERATE_USE_DEEPSPEED"):
         trl_fp8.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=4,
-                           per_device_train_batch_size=4, fair_cast="stochastic")
+                           per_device_train_batch_size=4, **fields)
 
 
 TRAINER_SCRIPT = r"""
@@ -152,9 +155,10 @@ def trainer(args):
                                train_dataset=make_arithmetic_dataset(8, seed=1))
 
 # the config is made before the accelerate environment appears: the trainer start must still refuse
-args = build(fair_cast="stochastic", sync_checks="off")
+fields = {"fair_cast": "stochastic"} if sys.argv[2] == "ACCELERATE_USE_FSDP" else {"duet": True}
+args = build(sync_checks="off", **fields)
 os.environ[sys.argv[2]] = "true"
-os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = "3"  # (ZeRO-1/2 run Fair Cast)
+os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = "3"
 try:
     t = trainer(args)
     out["result"] = "ran: " + ",".join(t.capabilities) + f" ds={t.is_deepspeed_enabled} fsdp={t.is_fsdp_enabled}"
@@ -167,7 +171,8 @@ print(json.dumps(out))
 @pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
 def test_trainer_start_refuses_an_engine_from_the_environment(tmp_path, variable):
     """At trainer start, with the real trainer: FSDP from the environment (which accelerate does not act on on a CPU
-    machine) and DeepSpeed from the environment (which it does: ``is_deepspeed_enabled``)."""
+    machine; Fair Cast refused) and DeepSpeed ZeRO-3 from the environment (which it does: ``is_deepspeed_enabled``;
+    DUET refused)."""
     if variable == "ACCELERATE_USE_DEEPSPEED":
         pytest.importorskip("deepspeed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
@@ -178,6 +183,9 @@ def test_trainer_start_refuses_an_engine_from_the_environment(tmp_path, variable
                             text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     text = json.loads(result.stdout.strip().splitlines()[-1])["result"]
-    engine = "FSDP1" if variable == "ACCELERATE_USE_FSDP" else "DeepSpeed ZeRO-3"
-    assert text.startswith(f"fair_cast is not supported with {engine}"), text
-    assert "fair_cast='off'" in text
+    if variable == "ACCELERATE_USE_FSDP":
+        assert text.startswith("fair_cast is not supported with FSDP1"), text
+        assert "fair_cast='off'" in text
+    else:
+        assert text.startswith("duet is not supported with DeepSpeed ZeRO-3"), text
+        assert "duet=False" in text

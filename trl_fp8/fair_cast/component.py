@@ -78,11 +78,8 @@ class FairCast(Capability):
     state_file = "fair_cast_state.pt"
     engines = {
         "ddp": None,  # every replica exports the same bits: SR keyed by (seed, step, tensor), EF deterministic
-        "deepspeed": {  # ZeRO-1/2: the export replaces DeepSpeed's fp32 -> 16-bit partition copy (fair_cast.zero)
-            1: None, 2: None,
-            3: "under ZeRO-3 the in-process twin and the checks would need the partitioned parameters gathered, which "
-               "the trainer does not do yet (the partition export itself, trl_fp8.fair_cast.sharded, is tested)",
-        },
+        # ZeRO-1/2/3: the export replaces DeepSpeed's fp32 -> 16-bit partition copy (fair_cast.zero)
+        "deepspeed": None,
         "fsdp": "the trainer does not yet export into FSDP's all-gather shards (the shard-invariant export itself "
                 "is trl_fp8.fair_cast.sharded)",
     }
@@ -126,6 +123,14 @@ class FairCast(Capability):
         model = trainer.accelerator.unwrap_model(trainer.model)
         _refuse_unsupported_peft(model)
         self.dtype = SERVED_DTYPES[args.served_dtype]
+        self.mode, self.seed = args.fair_cast, args.resolved_fair_cast_seed()
+        engine = distributed.detect(trainer)
+        self.zero = None
+        self.sampler = None  # the in-process twin, as a sampler
+        self.vllm_export = None
+        record = lambda name, value: _trl.record_metric(trainer, name, value)  # noqa: E731
+        if engine.kind == "deepspeed" and engine.zero_stage == 3:
+            return self._setup_zero3(trainer, model, record)
         if is_peft_model(model):
             from .peft import lora_units
 
@@ -133,8 +138,6 @@ class FairCast(Capability):
         else:
             units = [ParamUnit(n, p) for n, p in model.named_parameters()]
         self.served = ServedCopy(units, args.fair_cast, self.dtype, args.resolved_fair_cast_seed())
-        self.sampler = None  # the in-process twin, as a sampler
-        self.vllm_export = None
         if trainer.use_vllm:
             from .vllm import VLLMExport
 
@@ -142,15 +145,31 @@ class FairCast(Capability):
             self.vllm_export = VLLMExport.install(trainer.vllm_generation, self.served, self.export_stream)
         else:
             self.sampler = TransformersSampler(self._twin(trainer, model, units), describe=trainer.describe_tensors)
-        record = lambda name, value: _trl.record_metric(trainer, name, value)  # noqa: E731
-        self.zero = None
-        if distributed.detect(trainer).kind == "deepspeed":  # ZeRO-1/2: DeepSpeed holds master and served copy
+        if engine.kind == "deepspeed":  # ZeRO-1/2: DeepSpeed holds master and served copy
             from .zero import ZeroFairCast
 
             self.zero = ZeroFairCast(trainer, args.fair_cast, self.dtype, args.resolved_fair_cast_seed(), record)
             self.callback = self.zero
         else:
             self.callback = FairCastCallback(self.served, record)
+        trainer.add_callback(self.callback)
+        return True
+
+    def _setup_zero3(self, trainer, model, record) -> bool:
+        """ZeRO-3: the policy's parameters are partitioned already. The twin is built from the gathered weights (in the
+        served dtype, as DeepSpeed's own 16-bit copy starts); DeepSpeed keeps master and served copy from then on."""
+        from accelerate.utils import is_peft_model
+
+        from .zero import ZeroFairCast, gathered_twin
+
+        if trainer.use_vllm or is_peft_model(model):
+            raise ValueError("fair_cast under DeepSpeed ZeRO-3 runs with trl_fp8's in-process sampler and a full model "
+                             "only (TRL's ZeRO-3 vLLM sync gathers and sends the parameters itself; PEFT merges "
+                             "them): use ZeRO-1/2 or DDP for those.")
+        self.served = None
+        self.sampler = TransformersSampler(gathered_twin(trainer, model, self.dtype), describe=trainer.describe_tensors)
+        self.zero = ZeroFairCast(trainer, self.mode, self.dtype, self.seed, record)
+        self.callback = self.zero
         trainer.add_callback(self.callback)
         return True
 
@@ -186,8 +205,9 @@ class FairCast(Capability):
     def export_stream(self):
         """What a sync streams: the served copy, by learner name (under ZeRO-1/2, once training runs, DeepSpeed's
         16-bit weights, which hold it)."""
-        if self.zero is not None and self.zero.active:
-            return self.zero.stream()
+        if self.zero is not None and (self.zero.active or self.served is None):
+            return self.zero.stream() if self.zero.active else iter(
+                (n, p.detach()) for n, p in self.sampler.model.named_parameters())  # ZeRO-3 before training
         return iter(self.served.served.items())
 
     def sync(self, step: int, observer=None) -> None:
@@ -209,18 +229,18 @@ class FairCast(Capability):
         if self.zero is not None:  # DeepSpeed checkpoints the master; SR/RTN need only the step to export again
             step = self.zero.export.step_count if self.zero.active else 0
             args = self.zero.trainer.args  # EF: where every rank writes its partitions' state at this save
-            return {"mode": self.served.mode, "served_dtype": dtype_name(self.dtype), "seed": self.served.seed,
+            return {"mode": self.mode, "served_dtype": dtype_name(self.dtype), "seed": self.seed,
                     "step": step, "deepspeed": True,
                     "rank_folder": os.path.abspath(self.zero._checkpoint_folder(args, step))}
         return self.served.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         if self.zero is not None or state.get("deepspeed"):
-            for key, mine in (("mode", self.served.mode), ("served_dtype", dtype_name(self.dtype)),
+            for key, mine in (("mode", self.mode), ("served_dtype", dtype_name(self.dtype)),
                               ("deepspeed", self.zero is not None)):
                 if state.get(key, False) != mine:
                     raise ValueError(f"Fair Cast checkpoint has {key}={state.get(key)!r}, but this run uses {mine!r}.")
-            self.served.seed = int(state["seed"])
+            self.seed = self.zero.seed = int(state["seed"])
             self.zero.restored_step = int(state["step"])
             self.zero.rank_folder = state.get("rank_folder")
             return

@@ -1,11 +1,12 @@
-"""Fair Cast in the trainer under DeepSpeed ZeRO-1/2 (params whole on every rank; fp32 master partitioned).
+"""Fair Cast in the trainer under DeepSpeed ZeRO (1/2: parameters whole on every rank; 3: partitioned too).
 
 DeepSpeed owns the fp32 master (its optimizer partitions) and the 16-bit weights the forward runs on. At the start of
 training (after accelerate has built the engine and loaded a checkpoint) :class:`ZeroFairCast` installs
 :class:`~trl_fp8.fair_cast.sharded.DeepSpeedExport` on the engine's optimizer: from then on every optimizer step
 writes the export into DeepSpeed's 16-bit partitions, which DeepSpeed all-gathers, so the module's 16-bit weights
 *are* the served copy on every rank — the loss runs on them (Fair Cast's "loss on the served copy" for free), and the
-in-process twin is synced from them. SR and RTN resume exactly by exporting DeepSpeed's restored master again at the
+in-process twin is synced from them (under ZeRO-3 gathered one tensor at a time; the twin itself is built at set-up
+from the gathered weights, :func:`gathered_twin`). SR and RTN resume exactly by exporting DeepSpeed's restored master again at the
 resumed step (the random bits are keyed by (seed, step, tensor, global element)). Error feedback's residual lives
 per ZeRO partition: at each save every rank writes its own ``fair_cast_state.rank<r>.pt`` (served values, residual
 and their global layout) into ``<output_dir>/checkpoint-<step>`` next to DeepSpeed's per-rank files, and a resume
@@ -34,20 +35,33 @@ class ZeroFairCast(TrainerCallback):
         self.module = None
         self.restored_step: int | None = None
         self.rank_folder: str | None = None  # where a resumed checkpoint's per-rank files were written
+        self.zero3 = False
 
     @property
     def active(self) -> bool:
         return self.export is not None
 
     def stream(self):
-        """The served copy: the module's 16-bit weights (whole on every rank under ZeRO-1/2)."""
-        return ((n, p.detach().to(self.dtype)) for n, p in self.module.named_parameters())
+        """The served copy: the module's 16-bit weights (whole on every rank under ZeRO-1/2; under ZeRO-3 gathered one
+        tensor at a time — a collective: every rank iterates the whole stream, as TRL's ZeRO-3 sync does)."""
+        if not self.zero3:
+            return ((n, p.detach().to(self.dtype)) for n, p in self.module.named_parameters())
+        return self._gathered()
+
+    def _gathered(self):
+        import deepspeed
+
+        for name, param in self.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                tensor = param.detach().to(self.dtype).clone()
+            yield name, tensor
 
     def on_train_begin(self, args, state, control, **kwargs):
         engine = self.trainer.model_wrapped
         optimizer = getattr(engine, "optimizer", None)
-        if optimizer is None or not hasattr(optimizer, "single_partition_of_fp32_groups"):
-            raise ValueError("Fair Cast under DeepSpeed expects a ZeRO-1/2 optimizer on the engine, found "
+        self.zero3 = hasattr(optimizer, "fp32_partitioned_groups_flat")
+        if optimizer is None or not (self.zero3 or hasattr(optimizer, "single_partition_of_fp32_groups")):
+            raise ValueError("Fair Cast under DeepSpeed expects a ZeRO optimizer on the engine, found "
                              f"{type(optimizer).__name__}.")
         self.module = engine.module
         weights = {p.dtype for p in self.module.parameters()}
@@ -114,3 +128,29 @@ class ZeroFairCast(TrainerCallback):
             count = reduced[len(keys) + i]
             if count:
                 self.record(f"fair_cast/{key}", reduced[i] if key == "max_abs_err_ulps" else reduced[i] / count)
+
+
+@torch.no_grad()
+def gathered_twin(trainer, model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The in-process sampler under ZeRO-3: a plain (not partitioned) instance of the policy's class holding the
+    gathered weights in ``dtype`` — what DeepSpeed's own 16-bit copy starts from — with TRL's fused head patch."""
+    import deepspeed
+
+    from .. import _trl
+
+    twin = type(model)(model.config)
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mine = dict(twin.named_parameters())
+    if set(mine) != set(weights):
+        raise ValueError("Fair Cast could not rebuild the policy for its sampler under ZeRO-3: parameters only in the "
+                         f"policy {sorted(set(weights) - set(mine))[:5]}, only in the rebuilt model "
+                         f"{sorted(set(mine) - set(weights))[:5]}.")
+    for name, param in mine.items():
+        param.data = weights[name].to(dtype)
+        param.requires_grad_(False)
+    for name, buffer in model.named_buffers():
+        twin.get_buffer(name).copy_(buffer)
+    _trl.patch_fused_head(trainer, model, twin)
+    return twin.to(next(iter(weights.values())).device).eval()

@@ -64,11 +64,9 @@ class SyncChecks(Capability):
     Args = SyncChecksArgs
     engines = {
         "ddp": None,  # every rank checks its own sampler; results and metrics are agreed across ranks
-        "deepspeed": {  # ZeRO-1/2 keep every parameter whole on every rank
-            1: None, 2: None,
-            3: "the checks read the learner's full tensors outside TRL's sync, which on ZeRO-3's partitioned "
-               "parameters is a collective gather they do not do yet",
-        },
+        # ZeRO-1/2 keep every parameter whole; under ZeRO-3 the learner's stream gathers (every rank iterates it) and
+        # the numerics forward runs on every rank (a collective there)
+        "deepspeed": None,
         "fsdp": "the checks read the learner's full tensors outside TRL's sync, which on sharded parameters is a "
                 "collective gather they do not do yet",
     }
@@ -114,6 +112,8 @@ class SyncChecks(Capability):
         else:
             sampler = VLLMServerSampler(trainer.vllm_generation.vllm_client, learner.shapes)
         self.distributed = distributed.world_size() > 1  # DDP: every rank checks its sampler; the ranks agree
+        engine = distributed.detect(trainer)
+        self.collective_forward = engine.kind == "deepspeed" and engine.zero_stage == 3  # learner forwards gather
         if self.distributed:
             from . import ranks
         self.monitor = SyncMonitor(checks, sampler, learner, args.sync_check_interval, args.sync_check_action,
@@ -242,6 +242,11 @@ class SyncChecks(Capability):
         if rows.numel():
             numerics_logps[rows] = self._numerics_logps(trainer, ids, attention, batch["completion_ids"].size(1)).to(
                 numerics_logps.device)
+        elif self.collective_forward and batch["completion_ids"].size(0):  # ZeRO-3: every rank runs the forward
+            first = torch.zeros(1, dtype=torch.long, device=mask.device)
+            self._numerics_logps(trainer, torch.cat([batch["prompt_ids"][first], batch["completion_ids"][first]], 1),
+                                 torch.cat([batch["prompt_mask"][first], mask[first]], 1),
+                                 batch["completion_ids"].size(1))
         numerics_mask = torch.zeros_like(mask)
         numerics_mask[rows] = mask[rows]
         self.monitor.after_generation(trainer.state.global_step, learner, sampler, mask, numerics_logps, numerics_mask)
