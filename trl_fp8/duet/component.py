@@ -52,7 +52,7 @@ class Duet(Capability):
     name = "duet"
     Args = DuetArgs
     engines = {
-        "ddp": None,  # one plan for the global batch, identical on every rank (trl_fp8.duet.ranks)
+        "ddp": None,  # one plan for the global batch, identical on every rank (see generate)
         "deepspeed": {  # ZeRO-1/2 keep the parameters whole: generation involves no collective
             1: None, 2: None,
             3: "each rank generates a different number of rollouts, and under ZeRO-3 generation is a collective "
