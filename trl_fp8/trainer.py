@@ -12,13 +12,12 @@ empty and training is TRL's, step for step (``tests/test_trainer.py`` proves it 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from . import _trl
+from . import _trl, checkpoints
 from .capabilities import CAPABILITIES
 from .components import Capability
 from .config import GRPOConfig
@@ -150,38 +149,19 @@ class GRPOTrainer(_TRLGRPOTrainer):
         _trl.shutdown_trainer_vllm(self)
         super().end()
 
-    # -- checkpoints: each capability's state next to TRL's ----------------------------------------------------
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if not self.args.should_save:
-            return
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    # -- checkpoints: atomic, each capability's state inside, resumed from the newest complete one -----------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """TRL's ``train``, with ``resume_from_checkpoint="auto"`` (also taken from ``args.resume_from_checkpoint``
+        when no argument is given): the newest complete checkpoint, else the previous one, else a fresh start.
+        ``True`` skips incomplete checkpoints too; any checkpoint written with other trl_fp8 settings is refused.
+        See :mod:`trl_fp8.checkpoints`."""
+        resume = checkpoints.prepare_resume(self, resume_from_checkpoint, trial)
+        return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
 
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        for capability in self.capabilities.values():
-            state = capability.state_dict()
-            if state is None or capability.state_file is None:
-                continue
-            path = os.path.join(folder, capability.state_file)
-            tmp = path + ".tmp"
-            torch.save(state, tmp)
-            os.replace(tmp, path)  # never a half-written state file
+    def _save_checkpoint(self, model, trial):
+        checkpoints.save_checkpoint(self, trial)  # what TRL writes, written atomically; push and rotation after
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        for capability in self.capabilities.values():
-            if capability.state_file is None:
-                continue
-            path = os.path.join(checkpoint, capability.state_file)
-            if not os.path.isfile(path):
-                if capability.state_optional:  # e.g. the time budget: none used before this session
-                    continue
-                raise ValueError(
-                    f"Resuming with {capability.name} on from {checkpoint}, which has no {capability.state_file} (it "
-                    f"was not written by a {capability.name} run): its state cannot be restored. Resume with the "
-                    f"{capability.name} settings the checkpoint was written with."
-                )
-            capability.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-
+        if checkpoint is not None:
+            checkpoints.load_states(self, checkpoint)

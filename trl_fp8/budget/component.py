@@ -249,7 +249,7 @@ class TimeBudget(Capability):
     name = "time_budget"
     Args = TimeBudgetArgs
     state_file = "time_budget_state.pt"
-    state_optional = True  # a checkpoint written without a budget resumes with none used so far
+    state_required = False  # a checkpoint written without a budget resumes with none used so far
 
     @classmethod
     def wanted(cls, args) -> bool:

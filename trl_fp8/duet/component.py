@@ -51,6 +51,9 @@ class DuetArgs:
 class Duet(Capability):
     name = "duet"
     Args = DuetArgs
+    state_file = "duet_state.pt"
+    resume_fields = ("duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
+                     "duet_min_propensity", "duet_max_weight")
 
     @classmethod
     def wanted(cls, args) -> bool:

@@ -74,6 +74,7 @@ class FairCast(Capability):
     name = "fair_cast"
     Args = FairCastArgs
     state_file = "fair_cast_state.pt"
+    resume_fields = ("fair_cast", "served_dtype")
 
     @classmethod
     def wanted(cls, args) -> bool:

@@ -33,6 +33,7 @@ class MXFP8Args:
 class MXFP8(Capability):
     name = "mxfp8"
     Args = MXFP8Args
+    resume_fields = ("mxfp8", "mxfp8_exclude")  # the kernel may change: emulated and SM100 compute alike
 
     @classmethod
     def wanted(cls, args) -> bool:

@@ -120,6 +120,8 @@ def resolve_cache_dtype(name: str, compute: torch.dtype, device: torch.device) -
 class FastQLoRA(Capability):
     name = "fast_qlora"
     Args = FastQLoRAArgs
+    # which layers stay dense and which adapters train; the rollout cache (size, dtype) may change between sessions
+    resume_fields = ("fast_qlora", "qlora_keep_budget_gb", "qlora_adapter_layers")
 
     @classmethod
     def wanted(cls, args) -> bool:
