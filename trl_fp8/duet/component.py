@@ -103,6 +103,13 @@ class Duet(Capability):
         self.batch = None
         return True
 
+    # -- checkpoints: a resumed run plans as the uninterrupted one would ------------------------------------------
+    def state_dict(self) -> dict:
+        return {"format": 1, "controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state["controller"])
+
     # -- generation: DUET replaces the path --------------------------------------------------------------------
     def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, model=None):
         """Generate only the planned rollouts (with the early-stop rule) through TRL's own transformers path, with
