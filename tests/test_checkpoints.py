@@ -81,13 +81,14 @@ def test_clean_stale_removes_leftovers_and_completes_an_interrupted_rename(tmp_p
     done = _marked(run, 7)
     os.rename(done, os.path.join(run, ".tmp-checkpoint-7"))  # killed between the marker and the rename
     os.makedirs(os.path.join(run, ".tmp-checkpoint-8"))  # killed while writing
+    _legacy(os.path.join(run, ".tmp-checkpoint-9"), 9)  # every file written, killed before the marker
     _marked(run, 3)
     os.makedirs(os.path.join(run, ".tmp-checkpoint-3"))  # a second save of step 3 killed early
     os.makedirs(os.path.join(run, ".tmp-deleting-checkpoint-1"))  # killed during rotation
     os.makedirs(os.path.join(run, "checkpoint-5"))  # a user's (or plain TRL's) folder: left alone
     lines = ck.clean_stale(run)
     assert sorted(os.listdir(run)) == ["checkpoint-3", "checkpoint-5", "checkpoint-7"]
-    assert "completed the interrupted save of checkpoint-7" in lines and len(lines) == 4
+    assert "completed the interrupted save of checkpoint-7" in lines and len(lines) == 5
     assert ck.check_complete(os.path.join(run, "checkpoint-7")).complete
     assert ck.clean_stale(str(tmp_path / "absent")) == []
 
@@ -247,3 +248,24 @@ def test_resume_between_two_generations_is_exact(tmp_path, tiny_model_dir):
     regenerated = _trainer(tmp_path, tiny_model_dir, name="regenerated", **common)
     regenerated.train(resume_from_checkpoint=checkpoint)
     assert any(not torch.equal(p, q) for p, q in zip(straight.model.parameters(), regenerated.model.parameters()))
+
+
+def test_starting_a_finished_run_again_trains_nothing(tmp_path, tiny_model_dir, caplog):
+    """'Run all' once more after the run finished: transformers alone would train a step past max_steps."""
+    done = _trainer(tmp_path, tiny_model_dir, max_steps=2, fair_cast="stochastic")
+    done.train()
+    again = _trainer(tmp_path, tiny_model_dir, max_steps=2, fair_cast="stochastic")
+    with caplog.at_level(logging.WARNING, logger="trl_fp8.checkpoints"):
+        out = again.train(resume_from_checkpoint="auto")
+    assert "training is complete, nothing to train" in caplog.text
+    assert out.global_step == again.state.global_step == 2 and len(again.state.log_history) == 2
+    assert sorted(n for n in os.listdir(done.args.output_dir) if n.startswith("checkpoint")) == ["checkpoint-1",
+                                                                                                  "checkpoint-2"]
+    for (n, p), (_, q) in zip(done.model.named_parameters(), again.model.named_parameters()):
+        assert torch.equal(p, q), n
+    a, b = done.capability("fair_cast").served, again.capability("fair_cast").served
+    assert all(torch.equal(a.master[n], b.master[n]) for n in a.master)
+    # more steps asked for: it trains on from there
+    more = _trainer(tmp_path, tiny_model_dir, max_steps=3, fair_cast="stochastic")
+    more.train(resume_from_checkpoint="auto")
+    assert more.state.global_step == 3

@@ -38,6 +38,7 @@ CALLED = {
     "transformers.trainer.Trainer._save_scaler": ("self", "output_dir"),
     "transformers.trainer.Trainer._save_rng_state": ("self", "output_dir"),
     "transformers.trainer.Trainer._push_from_checkpoint": ("self", "checkpoint_folder"),
+    "transformers.trainer.Trainer._load_from_checkpoint": ("self", "resume_from_checkpoint"),
     "transformers.trainer.Trainer._get_output_dir": ("self", "trial"),
     "transformers.trainer.Trainer.store_flos": ("self",),
     "transformers.trainer_callback.TrainerState.save_to_json": ("self", "json_path"),

@@ -46,7 +46,8 @@ TRAINER_ATTRIBUTES = (
     "environment_factories", "ref_model", "is_deepspeed_enabled", "is_fsdp_enabled", "compute_loss_context_manager",
     "_get_output_dir",
     # checkpoints (trl_fp8.checkpoints, through write_checkpoint_files / generation_buffer below)
-    "_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint", "hp_search_backend",
+    "_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint", "_load_from_checkpoint",
+    "hp_search_backend",
     "use_adaptive_entropy", "entropy_coef", "_last_world_entropy", "num_iterations", "_step", "_buffered_inputs",
 )
 # ... and those set only with use_vllm=True (on the trainer, then on its VLLMGeneration).
@@ -207,6 +208,12 @@ def write_checkpoint_files(trainer, folder: str, run_dir: str, trial) -> None:
 def run_dir(trainer, trial=None) -> str:
     """The folder checkpoints go to (``output_dir``, or a hyperparameter-search trial's folder)."""
     return trainer._get_output_dir(trial=trial)
+
+
+def load_model_from_checkpoint(trainer, folder: str) -> None:
+    """transformers' loading of a checkpoint's weights (full model, sharded, or PEFT adapters) into the model, as
+    ``Trainer.train`` does it before training."""
+    trainer._load_from_checkpoint(folder)
 
 
 def push_checkpoint(trainer, folder: str) -> None:

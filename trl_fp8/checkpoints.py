@@ -217,7 +217,8 @@ def clean_stale(run_dir: str) -> list[str]:
             continue
         m = _TMP_CHECKPOINT.match(name)
         final = os.path.join(run_dir, f"checkpoint-{m.group(1)}") if m else None
-        if final is not None and not os.path.lexists(final) and check_complete(path).complete:
+        verdict = check_complete(path) if final is not None and not os.path.lexists(final) else None
+        if verdict is not None and verdict.complete and verdict.marked:
             os.rename(path, final)
             _fsync_dir(run_dir)
             done.append(f"completed the interrupted save of {os.path.basename(final)}")
@@ -368,6 +369,34 @@ def prepare_resume(trainer, resume_from_checkpoint, trial=None):
             )
     check_settings(trainer, path)
     return path
+
+
+def finished_run(trainer, checkpoint: str | None):
+    """When ``checkpoint`` is already at ``max_steps`` (a finished run started again, e.g. "Run all" once more):
+    load it (weights, trainer state, capability states) and return a ``TrainOutput`` without training; else None.
+
+    transformers resumes such a checkpoint by training one step past ``max_steps`` (its loop checks the limit only
+    after a step) — each new session would add a step. With DeepSpeed or FSDP (whose weights load after
+    ``accelerator.prepare``) that is left to transformers, with a warning."""
+    args = trainer.args
+    if checkpoint is None or args.max_steps is None or args.max_steps <= 0:
+        return None
+    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE))
+    if state.global_step < args.max_steps:
+        return None
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        logger.warning("%s is at step %d of max_steps=%d: training is complete; with DeepSpeed/FSDP transformers "
+                       "trains one more step when resuming it.", checkpoint, state.global_step, args.max_steps)
+        return None
+    logger.warning("%s is at step %d of max_steps=%d: training is complete, nothing to train; the trainer holds its "
+                   "weights.", checkpoint, state.global_step, args.max_steps)
+    _trl.load_model_from_checkpoint(trainer, checkpoint)
+    trainer.state = state
+    load_states(trainer, checkpoint)
+    return TrainOutput(state.global_step, float("nan"), {})
 
 
 # -- save ---------------------------------------------------------------------------------------------------------

@@ -153,9 +153,13 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """TRL's ``train``, with ``resume_from_checkpoint="auto"`` (also taken from ``args.resume_from_checkpoint``
         when no argument is given): the newest complete checkpoint, else the previous one, else a fresh start.
-        ``True`` skips incomplete checkpoints too; any checkpoint written with other trl_fp8 settings is refused.
+        ``True`` skips incomplete checkpoints too; any checkpoint written with other trl_fp8 settings is refused; a
+        checkpoint at ``max_steps`` is loaded without training a step past it.
         See :mod:`trl_fp8.checkpoints`."""
         resume = checkpoints.prepare_resume(self, resume_from_checkpoint, trial)
+        finished = checkpoints.finished_run(self, resume)  # at max_steps already: nothing to train
+        if finished is not None:
+            return finished
         return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
 
     def _save_checkpoint(self, model, trial):
