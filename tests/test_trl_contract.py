@@ -20,6 +20,7 @@ FINGERPRINTS = {
     "trl.generation.vllm_generation.VLLMGeneration.sync_weights": "853d90c2502df41c",
     "trl.generation.vllm_generation.VLLMGeneration._init_vllm": "89e22930922d1fc5",
     "transformers.trainer.Trainer._maybe_log_save_evaluate": "601752c0cc87e581",
+    "trl.trainer.utils.RepeatSampler.__iter__": "704f9ff00e675174",
     "transformers.trainer.Trainer._save_checkpoint": "125450cf16a80a9f",
     "trl.trainer.grpo_trainer.GRPOTrainer._save_checkpoint": "4d94a082195a2a00",
     "trl.trainer.grpo_trainer.GRPOTrainer._prepare_inputs": "f763f61274781c51",

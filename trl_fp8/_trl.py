@@ -36,6 +36,7 @@ OVERRIDDEN = {
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
     "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),  # transformers' (public)
+    "_get_train_sampler": ("self", "dataset"),  # kept, so that a resume can bring it to the resumed epoch
     "end": ("self",),  # transformers' Trainer.end (public): a colocated vLLM engine is shut down first
 }
 # Private attributes and methods of a constructed trl.GRPOTrainer that trl_fp8 reads or calls.
@@ -72,6 +73,9 @@ MIRRORED = {
     "trl.trainer.grpo_trainer.GRPOTrainer._prepare_inputs":
         "one generation feeds steps_per_generation micro-batches kept in _buffered_inputs, picked by _step; "
         "a checkpoint between generations saves both (generation_buffer)",
+    "trl.trainer.utils.RepeatSampler.__iter__":
+        "each epoch (one __iter__) draws one randperm(num_samples) from the sampler's own generator when shuffle; "
+        "a resume in epoch e draws e first (advance_train_sampler), or it would replay epoch 0's order",
     "trl.generation.vllm_generation.VLLMGeneration._init_vllm":
         "colocate builds the engine by calling the module global LLM with keyword arguments, "
         "quantization='bitsandbytes' for a 4-bit policy and no dtype (plain_cpu_linears, dense_engine and engine_dtype "
@@ -232,6 +236,20 @@ def generation_buffer(trainer) -> dict | None:
     if trainer._buffered_inputs is None or trainer._step % generate_every == 0:
         return None
     return {"step": int(trainer._step), "buffered_inputs": trainer._buffered_inputs}
+
+
+def advance_train_sampler(sampler, epochs: int) -> None:
+    """Bring TRL's ``RepeatSampler`` to where it is at the start of epoch ``epochs`` of an uninterrupted run.
+
+    Its generator is seeded once, when the sampler is built, and each epoch draws the next permutation from it; a
+    resumed session builds a new sampler, so without this every resumed epoch would replay epoch 0's order (the
+    data of the uninterrupted run from the second epoch on is not what a resumed run sees)."""
+    from trl.trainer.utils import RepeatSampler
+
+    if not isinstance(sampler, RepeatSampler) or not sampler.shuffle:
+        return
+    for _ in range(int(epochs)):
+        torch.randperm(sampler.num_samples, generator=sampler.generator)
 
 
 def restore_generation_buffer(trainer, state: dict) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -478,7 +479,8 @@ def rotate(run_dir: str, save_total_limit: int | None, best_model_checkpoint: st
 
 # -- load ---------------------------------------------------------------------------------------------------------
 def load_states(trainer, checkpoint: str) -> None:
-    """Restore each running capability's state and TRL's generation buffer from ``checkpoint``."""
+    """Restore each running capability's state, the data order of the resumed epoch and TRL's generation buffer from
+    ``checkpoint``."""
     for capability in trainer.capabilities.values():
         if capability.state_file is None:
             continue
@@ -493,6 +495,8 @@ def load_states(trainer, checkpoint: str) -> None:
                 f"{capability.name} settings the checkpoint was written with."
             )
         capability.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    # the data order of the resumed epoch (trainer.state is the checkpoint's by now; transformers' epochs_trained)
+    _trl.advance_train_sampler(getattr(trainer, "_train_sampler", None), math.floor(trainer.state.epoch or 0))
     path = os.path.join(checkpoint, _generation_state_file(trainer.args))
     if os.path.isfile(path):
         _trl.restore_generation_buffer(trainer, torch.load(path, map_location=trainer.accelerator.device,

@@ -165,6 +165,10 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def _save_checkpoint(self, model, trial):
         checkpoints.save_checkpoint(self, trial)  # what TRL writes, written atomically; push and rotation after
 
+    def _get_train_sampler(self, dataset=None):
+        self._train_sampler = super()._get_train_sampler(dataset)  # a resume advances it to the resumed epoch
+        return self._train_sampler
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:

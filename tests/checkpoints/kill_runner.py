@@ -52,11 +52,12 @@ COMMON = dict(use_cpu=True, bf16=False, learning_rate=5e-3, per_device_train_bat
               seed=7, gradient_checkpointing=False, max_steps=6, save_steps=2)
 CONFIGS = {
     # TRL's own settings (every capability off); one generation feeds two steps, so checkpoint-3 falls between two
-    # generations
-    "plain": dict(steps_per_generation=2, save_steps=3),
+    # generations; eight prompts: an epoch is four steps, so the resumed run crosses into the second epoch
+    "plain": dict(steps_per_generation=2, save_steps=3, num_prompts=8),
     "fair_cast_sr": dict(fair_cast="stochastic", save_total_limit=1),
-    "fair_cast_ef": dict(fair_cast="error_feedback"),
-    "duet": dict(duet=True, duet_budget=0.5, max_completion_length=8),
+    "fair_cast_ef": dict(fair_cast="error_feedback", num_prompts=8),  # checkpoint-4 ends the first epoch
+    # four prompts: each comes back every other step, so the plan depends on what the controller learned
+    "duet": dict(duet=True, duet_budget=0.5, max_completion_length=8, num_prompts=4),
     "mxfp8": dict(mxfp8=True, max_steps=4),
     "lora": dict(lora=True, save_total_limit=1),
 }
@@ -85,6 +86,7 @@ def build_model(path: str) -> None:
 
 def make_trainer(config: str, model_dir: str, output_dir: str) -> GRPOTrainer:
     settings = {**COMMON, **CONFIGS[config]}
+    num_prompts = settings.pop("num_prompts", 64)
     peft_config = None
     if settings.pop("lora", False):
         from peft import LoraConfig
@@ -93,7 +95,7 @@ def make_trainer(config: str, model_dir: str, output_dir: str) -> GRPOTrainer:
     args = trl_fp8.GRPOConfig(output_dir=output_dir, metrics_jsonl=os.path.join(output_dir, "metrics.jsonl"),
                               **settings)
     return GRPOTrainer(model=model_dir, reward_funcs=[length_reward], args=args,
-                       train_dataset=make_arithmetic_dataset(64, seed=5), peft_config=peft_config)
+                       train_dataset=make_arithmetic_dataset(num_prompts, seed=5), peft_config=peft_config)
 
 
 # -- kill points --------------------------------------------------------------------------------------------------
