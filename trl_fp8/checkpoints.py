@@ -352,8 +352,8 @@ def prepare_resume(trainer, resume_from_checkpoint, trial=None):
             why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
             if resume_from_checkpoint is True:
                 raise ValueError(f"No valid checkpoint found in output directory ({run_dir}){why}")
-            logger.warning("resume_from_checkpoint='auto': no complete checkpoint in %s%s; starting fresh.",
-                           run_dir, why)
+            (logger.warning if skipped else logger.info)(
+                "resume_from_checkpoint='auto': no complete checkpoint in %s%s; starting fresh.", run_dir, why)
             return None
         if skipped:
             logger.warning("resume_from_checkpoint=%s: skipping %s; resuming from %s.", how, "; ".join(skipped),
@@ -478,6 +478,16 @@ def rotate(run_dir: str, save_total_limit: int | None, best_model_checkpoint: st
 
 
 # -- load ---------------------------------------------------------------------------------------------------------
+def _to_device(obj, device):
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
 def load_states(trainer, checkpoint: str) -> None:
     """Restore each running capability's state, the data order of the resumed epoch and TRL's generation buffer from
     ``checkpoint``."""
@@ -499,5 +509,6 @@ def load_states(trainer, checkpoint: str) -> None:
     _trl.advance_train_sampler(getattr(trainer, "_train_sampler", None), math.floor(trainer.state.epoch or 0))
     path = os.path.join(checkpoint, _generation_state_file(trainer.args))
     if os.path.isfile(path):
-        _trl.restore_generation_buffer(trainer, torch.load(path, map_location=trainer.accelerator.device,
-                                                           weights_only=True))
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        device = trainer.accelerator.device
+        _trl.restore_generation_buffer(trainer, state if device.type == "cpu" else _to_device(state, device))
