@@ -24,7 +24,7 @@ but refused when incomplete. Any checkpoint is refused (``ValueError`` naming th
 shape the run's state differ from this run's (each capability lists them in ``resume_fields``).
 
 **Completeness.** A folder with :data:`MARKER` is complete when every file it lists is there with its size. A folder
-without one (written by plain TRL/transformers, or by trl_fp8 before 0.x) is taken as complete when its
+without one (written by plain TRL/transformers, or by an earlier trl_fp8) is taken as complete when its
 ``trainer_state.json`` reads back with the folder's step and a model/adapter file (or a DeepSpeed/FSDP state folder)
 is there — transformers writes ``trainer_state.json`` after the model, optimizer, scheduler and RNG files — and, for
 ``"auto"``/``True``, when it holds the state file of every capability this run needs (trl_fp8 wrote those after
