@@ -269,3 +269,33 @@ def test_starting_a_finished_run_again_trains_nothing(tmp_path, tiny_model_dir, 
     more = _trainer(tmp_path, tiny_model_dir, max_steps=3, fair_cast="stochastic")
     more.train(resume_from_checkpoint="auto")
     assert more.state.global_step == 3
+
+
+def _as_written_before_atomic_checkpoints(folder, *drop):
+    for name in (ck.MARKER, ck.SETTINGS, *drop):
+        os.remove(os.path.join(folder, name))
+
+
+def test_checkpoints_of_earlier_trl_fp8_versions(tmp_path, tiny_model_dir, caplog):
+    """Earlier versions wrote fair_cast_state.pt after trainer_state.json (a kill between them left it out) and no
+    DUET state at all: 'auto' skips the first, and resumes the second with a fresh DUET controller."""
+    fair_cast = _trainer(tmp_path, tiny_model_dir, name="fc", max_steps=2, fair_cast="error_feedback")
+    fair_cast.train()
+    run = fair_cast.args.output_dir
+    _as_written_before_atomic_checkpoints(os.path.join(run, "checkpoint-1"))
+    _as_written_before_atomic_checkpoints(os.path.join(run, "checkpoint-2"), "fair_cast_state.pt")
+    again = _trainer(tmp_path, tiny_model_dir, name="fc", max_steps=2, fair_cast="error_feedback")
+    with caplog.at_level(logging.WARNING, logger="trl_fp8.checkpoints"):
+        again.train(resume_from_checkpoint="auto")
+    assert ("skipping checkpoint-2 (no fair_cast_state.pt (incomplete, or written without fair_cast)); resuming from "
+            "checkpoint-1") in caplog.text
+    assert again.state.global_step == 2
+
+    duet = _trainer(tmp_path, tiny_model_dir, name="duet", max_steps=1, duet=True)
+    duet.train()
+    _as_written_before_atomic_checkpoints(os.path.join(duet.args.output_dir, "checkpoint-1"), "duet_state.pt")
+    resumed = _trainer(tmp_path, tiny_model_dir, name="duet", max_steps=2, duet=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_fp8.checkpoints"):
+        resumed.train(resume_from_checkpoint="auto")
+    assert "has no duet_state.pt; it starts afresh" in caplog.text and resumed.state.global_step == 2

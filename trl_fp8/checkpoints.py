@@ -299,11 +299,13 @@ def check_settings(trainer, checkpoint: str) -> None:
     missing = _missing_state_files(trainer, checkpoint)
     if missing:
         capability, state_file = missing[0]
-        raise ValueError(
-            f"Resuming with {capability} on from {checkpoint}, which has no {state_file} (it was not written by a "
-            f"{capability} run): its state cannot be restored. Resume with the {capability} settings the checkpoint was "
-            "written with."
-        )
+        raise ValueError(_missing_message(capability, state_file, checkpoint))
+
+
+def _missing_message(capability: str, state_file: str, checkpoint: str) -> str:
+    return (f"Resuming with {capability} on from {checkpoint}, which has no {state_file} (written without "
+            f"{capability}, or its save was interrupted): its state cannot be restored. Resume with the {capability} "
+            "settings the checkpoint was written with, or from a complete checkpoint.")
 
 
 def _missing_state_files(trainer, checkpoint: str) -> list[tuple[str, str]]:
@@ -497,13 +499,10 @@ def load_states(trainer, checkpoint: str) -> None:
         path = os.path.join(checkpoint, capability.state_file)
         if not os.path.isfile(path):
             if not capability.state_required:
-                logger.info("%s: %s has no %s; it starts afresh.", capability.name, checkpoint, capability.state_file)
+                logger.warning("%s: %s has no %s; it starts afresh.", capability.name, checkpoint,
+                               capability.state_file)
                 continue
-            raise ValueError(
-                f"Resuming with {capability.name} on from {checkpoint}, which has no {capability.state_file} (it "
-                f"was not written by a {capability.name} run): its state cannot be restored. Resume with the "
-                f"{capability.name} settings the checkpoint was written with."
-            )
+            raise ValueError(_missing_message(capability.name, capability.state_file, checkpoint))
         capability.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     # the data order of the resumed epoch (trainer.state is the checkpoint's by now; transformers' epochs_trained)
     _trl.advance_train_sampler(getattr(trainer, "_train_sampler", None), math.floor(trainer.state.epoch or 0))

@@ -52,6 +52,7 @@ class Duet(Capability):
     name = "duet"
     Args = DuetArgs
     state_file = "duet_state.pt"
+    state_required = False  # checkpoints of earlier trl_fp8 versions have none: the controller then starts afresh
     resume_fields = ("duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
                      "duet_min_propensity", "duet_max_weight")
 
