@@ -25,7 +25,7 @@ def _legacy(path, step, files=("config.json", "model.safetensors", "optimizer.pt
 
 
 def _marked(run_dir, step, payload="weights"):
-    tmp = os.path.join(run_dir, f".tmp-checkpoint-{step}")
+    tmp = os.path.join(run_dir, f"_tmp-checkpoint-{step}")
     os.makedirs(os.path.join(tmp, "sub"))
     with open(os.path.join(tmp, "model.safetensors"), "w") as f:
         f.write(payload)
@@ -79,12 +79,12 @@ def test_folders_without_a_marker_judged_by_trainer_state_and_weights(tmp_path):
 def test_clean_stale_removes_leftovers_and_completes_an_interrupted_rename(tmp_path):
     run = str(tmp_path)
     done = _marked(run, 7)
-    os.rename(done, os.path.join(run, ".tmp-checkpoint-7"))  # killed between the marker and the rename
-    os.makedirs(os.path.join(run, ".tmp-checkpoint-8"))  # killed while writing
-    _legacy(os.path.join(run, ".tmp-checkpoint-9"), 9)  # every file written, killed before the marker
+    os.rename(done, os.path.join(run, "_tmp-checkpoint-7"))  # killed between the marker and the rename
+    os.makedirs(os.path.join(run, "_tmp-checkpoint-8"))  # killed while writing
+    _legacy(os.path.join(run, "_tmp-checkpoint-9"), 9)  # every file written, killed before the marker
     _marked(run, 3)
-    os.makedirs(os.path.join(run, ".tmp-checkpoint-3"))  # a second save of step 3 killed early
-    os.makedirs(os.path.join(run, ".tmp-deleting-checkpoint-1"))  # killed during rotation
+    os.makedirs(os.path.join(run, "_tmp-checkpoint-3"))  # a second save of step 3 killed early
+    os.makedirs(os.path.join(run, "_tmp-deleting-checkpoint-1"))  # killed during rotation
     os.makedirs(os.path.join(run, "checkpoint-5"))  # a user's (or plain TRL's) folder: left alone
     lines = ck.clean_stale(run)
     assert sorted(os.listdir(run)) == ["checkpoint-3", "checkpoint-5", "checkpoint-7"]
@@ -115,7 +115,7 @@ def test_remove_checkpoint_renames_aside_first(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(ck.shutil, "rmtree", lambda path, **kw: seen.append(os.path.basename(path)))
     ck.remove_checkpoint(final)
-    assert seen == [".tmp-deleting-checkpoint-4"] and not os.path.exists(final)
+    assert seen == ["_tmp-deleting-checkpoint-4"] and not os.path.exists(final)
 
 
 # -- settings a resume must match ---------------------------------------------------------------------------------
@@ -299,3 +299,12 @@ def test_checkpoints_of_earlier_trl_fp8_versions(tmp_path, tiny_model_dir, caplo
     with caplog.at_level(logging.WARNING, logger="trl_fp8.checkpoints"):
         resumed.train(resume_from_checkpoint="auto")
     assert "has no duet_state.pt; it starts afresh" in caplog.text and resumed.state.global_step == 2
+
+
+def test_transient_folders_stay_out_of_the_background_hub_upload_of_output_dir():
+    from huggingface_hub.utils import filter_repo_objects
+
+    transient = [f"{ck.TMP_PREFIX}checkpoint-4/model.safetensors", f"{ck.TMP_PREFIX}deleting-checkpoint-2/optimizer.pt",
+                 f"{ck.TMP_PREFIX}replaced-checkpoint-4/sub/adapter_model.safetensors"]
+    # the patterns transformers' _push_from_checkpoint uploads output_dir with (fingerprinted in the contract test)
+    assert list(filter_repo_objects([*transient, "README.md"], ignore_patterns=["_*", "checkpoint-*"])) == ["README.md"]

@@ -22,6 +22,7 @@ FINGERPRINTS = {
     "transformers.trainer.Trainer._maybe_log_save_evaluate": "601752c0cc87e581",
     "trl.trainer.utils.RepeatSampler.__iter__": "704f9ff00e675174",
     "transformers.trainer.Trainer._save_checkpoint": "125450cf16a80a9f",
+    "transformers.trainer.Trainer._push_from_checkpoint": "c27a9586e6eebfdc",
     "trl.trainer.grpo_trainer.GRPOTrainer._save_checkpoint": "4d94a082195a2a00",
     "trl.trainer.grpo_trainer.GRPOTrainer._prepare_inputs": "f763f61274781c51",
 }

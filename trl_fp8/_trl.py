@@ -68,6 +68,9 @@ MIRRORED = {
     "transformers.trainer.Trainer._save_checkpoint":
         "write_checkpoint_files mirrors what it writes (model, best-checkpoint record, optimizer, scheduler, scaler, "
         "RNG, trainer state with stateful callbacks) into a temporary folder; push and rotation run after the rename",
+    "transformers.trainer.Trainer._push_from_checkpoint":
+        "uploads output_dir in the background with ignore_patterns ['_*', 'checkpoint-*']: the _tmp-* folders "
+        "trl_fp8 writes, replaces and deletes in (trl_fp8.checkpoints.TMP_PREFIX) stay out of it",
     "trl.trainer.grpo_trainer.GRPOTrainer._save_checkpoint":
         "model card in output_dir first, then transformers' checkpoint, then entropy_ctrl_state.json (mirrored)",
     "trl.trainer.grpo_trainer.GRPOTrainer._prepare_inputs":

@@ -4,16 +4,16 @@
 checkpoint — what TRL and transformers write (model or adapter, optimizer, scheduler, scaler, RNG, trainer state
 with its stateful callbacks, TRL's model card and entropy controller), each running capability's ``state_file``,
 TRL's generation buffer when the checkpoint falls between two generations, and :data:`SETTINGS` (the trl_fp8
-settings a resume must match) — is written into ``<run_dir>/.tmp-checkpoint-N`` (same filesystem). Every file and
+settings a resume must match) — is written into ``<run_dir>/_tmp-checkpoint-N`` (same filesystem). Every file and
 folder in it is fsync'd, then the completion marker :data:`MARKER` (every file with its size) is written and
 fsync'd last, then the folder is renamed to ``checkpoint-N`` (an existing ``checkpoint-N`` is first renamed aside and
 removed after) and the run folder is fsync'd. Only then does the Hub push start and older checkpoints rotate out;
 rotation counts complete checkpoints only, never removes the one just written, and renames a folder aside before
 deleting it, so a kill during rotation never leaves a checkpoint that looks complete but is not.
 
-A kill at any moment therefore leaves either the previous checkpoints untouched plus a ``.tmp-*`` folder, or the new
-checkpoint complete. At the next :meth:`~trl_fp8.GRPOTrainer.train`, ``.tmp-*`` folders are removed — except a
-``.tmp-checkpoint-N`` whose marker is complete while ``checkpoint-N`` is missing (killed between marker and rename):
+A kill at any moment therefore leaves either the previous checkpoints untouched plus a ``_tmp-*`` folder, or the new
+checkpoint complete. At the next :meth:`~trl_fp8.GRPOTrainer.train`, ``_tmp-*`` folders are removed — except a
+``_tmp-checkpoint-N`` whose marker is complete while ``checkpoint-N`` is missing (killed between marker and rename):
 that one is renamed into place.
 
 **Reading** (:func:`prepare_resume`, what :meth:`trl_fp8.GRPOTrainer.train` runs first).
@@ -51,10 +51,12 @@ MARKER = "trl_fp8_complete.json"  # written last: the folder is complete
 SETTINGS = "trl_fp8_settings.json"  # the trl_fp8 settings a resume must match
 GENERATION_STATE = "grpo_generation_state.pt"  # TRL's generation buffer between two generations (per process)
 TRAINER_STATE = "trainer_state.json"
-TMP_PREFIX = ".tmp-"
+# Transient folders (being written, replaced or deleted): same filesystem as the checkpoints, for atomic renames; the
+# leading underscore keeps them out of transformers' background Hub upload of output_dir (it ignores "_*").
+TMP_PREFIX = "_tmp-"
 FORMAT = 1
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_TMP_CHECKPOINT = re.compile(r"^\.tmp-checkpoint-(\d+)$")
+_TMP_CHECKPOINT = re.compile(r"^_tmp-checkpoint-(\d+)$")
 _MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
                 "adapter_model.safetensors", "adapter_model.bin")
 
@@ -206,7 +208,7 @@ def checkpoints_in(run_dir: str) -> list[tuple[int, str]]:
 
 
 def clean_stale(run_dir: str) -> list[str]:
-    """Remove the ``.tmp-*`` folders a killed save or rotation left in ``run_dir``; a ``.tmp-checkpoint-N`` that is
+    """Remove the ``_tmp-*`` folders a killed save or rotation left in ``run_dir``; a ``_tmp-checkpoint-N`` that is
     complete while ``checkpoint-N`` is missing (killed between the marker and the rename) is renamed into place.
     Returns what was done, one line each."""
     done = []

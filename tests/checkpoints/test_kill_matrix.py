@@ -86,7 +86,7 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path, config):
     for i, s in enumerate(sessions[:-1]):  # each kill point was reached, and nothing else stopped the session
         assert s["status"] == -9, (s, log(f"session-{i}"))
     assert sessions[-1]["status"] == 0, log(f"session-{len(sessions) - 1}")
-    assert not [n for n in sessions[-1]["checkpoints"] if n.startswith(".tmp-")]
+    assert not [n for n in sessions[-1]["checkpoints"] if n.startswith("_tmp-")]
 
     reference = torch.load(tmp_path / "reference" / "final_state.pt", weights_only=False)
     resumed = torch.load(tmp_path / "killed" / "final_state.pt", weights_only=False)
