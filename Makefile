@@ -16,13 +16,15 @@ DEMO_DIR ?= trl_fp8_demo
 
 .PHONY: demo test test-main test-vllm install install-vllm bench clean
 
+# .venv also gets the trackers (wandb, trackio) for tests/test_trackers.py; they stay out of the dev extra so that
+# .venv-vllm (which installs ".[dev]" with its own pins, pillow 13) does not need them.
 install: $(STAMP)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
-	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[dev]"
+	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[dev,wandb,trackio]"
 	touch $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
