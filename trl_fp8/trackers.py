@@ -160,4 +160,3 @@ def attach(trainer) -> None:
     (transformers adds the tracker callbacks before any other, and they start their run at ``on_train_begin``)."""
     if wanted_trackers(trainer.args):
         trainer.callback_handler.callbacks.insert(0, RunIdentityCallback())
-
