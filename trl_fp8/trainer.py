@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from . import _trl, checkpoints
+from . import _trl, checkpoints, trackers
 from .capabilities import CAPABILITIES
 from .components import Capability
 from .config import GRPOConfig
@@ -47,8 +47,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *pargs, **kwargs):
         with _trl.engine_context(args):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        from .trackers import attach  # W&B / trackio: a resumed session continues the same run
-        attach(self)
+        trackers.attach(self)  # W&B / trackio: a resumed session continues the same run
         self.capabilities = {}
         for cls in CAPABILITIES:  # set-up order is list order
             if cls.wanted(self.args):
