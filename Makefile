@@ -1,6 +1,5 @@
 # Two commands for a fresh machine: `make demo` (the offline demo) and `make test` (the test-suite).
 # Each creates .venv (and `make test` also .venv-vllm, for the real-vLLM tests) and installs what it needs on first use.
-# .venv gets DeepSpeed (built from its sdist without ops, ~20 s) for the ZeRO shard tests on CPU.
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch (resolved from a local wheel on our machines). Override for a CUDA box,
@@ -17,13 +16,16 @@ DEMO_DIR ?= trl_fp8_demo
 
 .PHONY: demo test test-main test-vllm install install-vllm bench clean
 
+# .venv also gets the trackers (wandb, trackio) for tests/test_trackers.py; they stay out of the dev extra so that
+# .venv-vllm (which installs ".[dev]" with its own pins, pillow 13) does not need them.
+# .venv also gets DeepSpeed (built from its sdist without ops, ~20 s) for the ZeRO tests on CPU.
 install: $(STAMP)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
-	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[dev,deepspeed]"
+	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[dev,wandb,trackio,deepspeed]"
 	touch $(STAMP)
 
 install-vllm: $(VLLM_STAMP)

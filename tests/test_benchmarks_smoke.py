@@ -14,6 +14,7 @@ WITH_PLOT = {"fair_cast_lag.py", "duet_budget.py"}  # scripts that also write a 
     ("mxfp8_consistency.py", "mxfp8_matched_gap_bf16act:", ()),
     ("fair_cast_lag.py", "rtn_lag_over_sr_lag:", ()),
     ("duet_budget.py", "duet05_tokens_to_target_over_grpo:", ()),
+    ("checkpoint_save.py", "atomic_save_over_trl:", ("checkpoint size:", "trl_fp8  save: median")),
     ("qlora_speed.py", "qlora_step_ratio_vs_lora16:",
      ("(b) QLoRA (TRL today)", "generation time, speed-up (b)/(c):", "dequantizations per step (b)/(c):",
       "losses identical True, adapter weights after the steps identical True", "greedy completions identical")),

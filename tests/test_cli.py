@@ -90,6 +90,14 @@ def test_plot_command(tmp_path, capsys):
     assert "trl-fp8 plot: error: metrics file not found" in capsys.readouterr().err
 
 
+def test_plot_command_tolerates_a_truncated_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward": 0.1}\n{"step": 2, "reward": 0.3}\n{"step": 3, "rew')  # killed mid-line
+    with pytest.warns(UserWarning, match="the last line is incomplete"):
+        assert main(["plot", str(path)]) == 0
+    assert (tmp_path / "reward.png").is_file()
+
+
 def test_demo_command_with_duet_adds_its_curves(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--output-dir", str(out), "--max-steps", "3", "--no-progress", "--duet", "0.5"]) == 0

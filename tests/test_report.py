@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trl_fp8.report import MetricsJsonlCallback, plot_metrics, read_metrics, series
+from trl_fp8.report import MetricsJsonlCallback, plot_metrics, read_metrics, series, truncate_metrics
 
 
 def _state(step, main=True):
@@ -28,9 +28,66 @@ def test_callback_appends_one_json_object_per_log(tmp_path):
 
 def test_read_metrics_names_file_and_line(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text('{"step": 1}\n\n{broken\n')
+    path.write_text('{"step": 1}\n\n{broken\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"m\.jsonl, line 3"):
         read_metrics(path)
+
+
+def test_read_metrics_skips_a_truncated_last_line_with_a_warning(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')  # killed while writing line 2
+    with pytest.warns(UserWarning, match=r"m\.jsonl, line 2: the last line is incomplete"):
+        assert read_metrics(path) == [{"step": 1, "reward": 0.5}]
+
+
+def test_plot_tolerates_a_truncated_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward": s / 4}) + "\n" for s in range(1, 4)) + '{"step": 4, "re')
+    with pytest.warns(UserWarning, match="incomplete"):
+        written = plot_metrics(path, tmp_path / "plots", plots=(("reward", "Reward", ("reward",)),))
+    assert [p.rsplit("/", 1)[-1] for p in written] == ["reward.png"]
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_truncate_metrics_drops_later_steps_and_a_cut_last_line_atomically(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": s, "reward": s} for s in (1, 2, 3, 4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 5, "rew')
+    assert truncate_metrics(path, 2) == 3
+    assert _lines(path) == records[:2]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
+    inode = path.stat().st_ino
+    assert truncate_metrics(path, 2) == 0 and path.stat().st_ino == inode  # nothing to drop: not rewritten
+    assert truncate_metrics(tmp_path / "absent.jsonl", 3) == 0
+
+
+def test_a_resumed_run_continues_the_file_without_repeating_steps(tmp_path):
+    """Session 1 logs steps 1-4 and is killed mid-line; the checkpoint is at step 2; session 2 resumes from it."""
+    path = tmp_path / "metrics.jsonl"
+    first = MetricsJsonlCallback(path)
+    first.on_train_begin(None, _state(0), None)
+    for step in (1, 2, 3, 4):
+        first.on_log(None, _state(step), None, logs={"reward": step})
+    with open(path, "a") as f:
+        f.write('{"step": 5, "rew')
+    second = MetricsJsonlCallback(path)
+    second.on_train_begin(None, _state(2, main=False), None)  # another process: leaves the file alone
+    assert len(path.read_text().splitlines()) == 5
+    second.on_train_begin(None, _state(2), None)
+    for step in (3, 4, 5):
+        second.on_log(None, _state(step), None, logs={"reward": step * 10})
+    assert [(r["step"], r["reward"]) for r in read_metrics(path)] == [(1, 1), (2, 2), (3, 30), (4, 40), (5, 50)]
+
+
+def test_a_broken_middle_line_is_left_alone_at_train_begin(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{broken\n{"step": 2}\n')
+    with pytest.warns(UserWarning, match="appended to as it is"):
+        MetricsJsonlCallback(path).on_train_begin(None, _state(1), None)
+    assert path.read_text() == '{"step": 1}\n{broken\n{"step": 2}\n'
 
 
 def test_series_skips_missing_and_non_finite():

@@ -20,6 +20,11 @@ FINGERPRINTS = {
     "trl.generation.vllm_generation.VLLMGeneration.sync_weights": "853d90c2502df41c",
     "trl.generation.vllm_generation.VLLMGeneration._init_vllm": "89e22930922d1fc5",
     "transformers.trainer.Trainer._maybe_log_save_evaluate": "601752c0cc87e581",
+    "trl.trainer.utils.RepeatSampler.__iter__": "704f9ff00e675174",
+    "transformers.trainer.Trainer._save_checkpoint": "125450cf16a80a9f",
+    "transformers.trainer.Trainer._push_from_checkpoint": "c27a9586e6eebfdc",
+    "trl.trainer.grpo_trainer.GRPOTrainer._save_checkpoint": "4d94a082195a2a00",
+    "trl.trainer.grpo_trainer.GRPOTrainer._prepare_inputs": "f763f61274781c51",
 }
 # Other TRL callables trl_fp8 calls, with the parameters it passes.
 CALLED = {
@@ -29,6 +34,18 @@ CALLED = {
     "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": ("self",),
     "trl.cli.accelerate_config.resolve_accelerate_config_argument": ("launch_args",),
     "trl.cli.commands.training._subtract_subsequence": ("lst", "subseq"),
+    # checkpoints (trl_fp8.checkpoints through _trl.write_checkpoint_files and friends)
+    "transformers.trainer.Trainer.save_model": ("self", "output_dir", "_internal_call"),
+    "transformers.trainer.Trainer._save_optimizer_and_scheduler": ("self", "output_dir"),
+    "transformers.trainer.Trainer._save_scaler": ("self", "output_dir"),
+    "transformers.trainer.Trainer._save_rng_state": ("self", "output_dir"),
+    "transformers.trainer.Trainer._push_from_checkpoint": ("self", "checkpoint_folder"),
+    "transformers.trainer.Trainer._load_from_checkpoint": ("self", "resume_from_checkpoint"),
+    "transformers.trainer.Trainer._get_output_dir": ("self", "trial"),
+    "transformers.trainer.Trainer.store_flos": ("self",),
+    "transformers.trainer_callback.TrainerState.save_to_json": ("self", "json_path"),
+    "transformers.trainer_utils.sort_checkpoints": ("output_dir", "checkpoint_prefix", "use_mtime"),
+    "trl.trainer.base_trainer._BaseTrainer.create_model_card": ("self", "model_name"),
 }
 
 

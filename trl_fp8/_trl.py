@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 from trl import GRPOTrainer as TRLGRPOTrainer
@@ -34,6 +35,8 @@ OVERRIDDEN = {
                                            "image_position_ids"),
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),  # transformers' (public)
+    "_get_train_sampler": ("self", "dataset"),  # kept, so that a resume can bring it to the resumed epoch
     "end": ("self",),  # transformers' Trainer.end (public): a colocated vLLM engine is shut down first
 }
 # Private attributes and methods of a constructed trl.GRPOTrainer that trl_fp8 reads or calls.
@@ -43,6 +46,10 @@ TRAINER_ATTRIBUTES = (
     "eos_token_ids", "pad_to_multiple_of", "generation_config", "generation_kwargs", "tools", "rollout_func",
     "environment_factories", "ref_model", "is_deepspeed_enabled", "is_fsdp_enabled", "compute_loss_context_manager",
     "_get_output_dir",
+    # checkpoints (trl_fp8.checkpoints, through write_checkpoint_files / generation_buffer below)
+    "_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint", "_load_from_checkpoint",
+    "hp_search_backend",
+    "use_adaptive_entropy", "entropy_coef", "_last_world_entropy", "num_iterations", "_step", "_buffered_inputs",
 )
 # ... and those set only with use_vllm=True (on the trainer, then on its VLLMGeneration).
 VLLM_ATTRIBUTES = {"GRPOTrainer": ("vllm_generation",), "VLLMGeneration": ("mode", "llm", "vllm_client", "accelerator")}
@@ -58,6 +65,20 @@ MIRRORED = {
     "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": "the stream a sync sends (names, tensors)",
     "trl.generation.vllm_generation.VLLMGeneration.sync_weights":
         "streams _iter_named_params() into load_weights / the client, then resets the prefix cache",
+    "transformers.trainer.Trainer._save_checkpoint":
+        "write_checkpoint_files mirrors what it writes (model, best-checkpoint record, optimizer, scheduler, scaler, "
+        "RNG, trainer state with stateful callbacks) into a temporary folder; push and rotation run after the rename",
+    "transformers.trainer.Trainer._push_from_checkpoint":
+        "uploads output_dir in the background with ignore_patterns ['_*', 'checkpoint-*']: the _tmp-* folders "
+        "trl_fp8 writes, replaces and deletes in (trl_fp8.checkpoints.TMP_PREFIX) stay out of it",
+    "trl.trainer.grpo_trainer.GRPOTrainer._save_checkpoint":
+        "model card in output_dir first, then transformers' checkpoint, then entropy_ctrl_state.json (mirrored)",
+    "trl.trainer.grpo_trainer.GRPOTrainer._prepare_inputs":
+        "one generation feeds steps_per_generation micro-batches kept in _buffered_inputs, picked by _step; "
+        "a checkpoint between generations saves both (generation_buffer)",
+    "trl.trainer.utils.RepeatSampler.__iter__":
+        "each epoch (one __iter__) draws one randperm(num_samples) from the sampler's own generator when shuffle; "
+        "a resume in epoch e draws e first (advance_train_sampler), or it would replay epoch 0's order",
     "trl.generation.vllm_generation.VLLMGeneration._init_vllm":
         "colocate builds the engine by calling the module global LLM with keyword arguments, "
         "quantization='bitsandbytes' for a 4-bit policy and no dtype (plain_cpu_linears, dense_engine and engine_dtype "
@@ -148,6 +169,104 @@ def patch_fused_head(trainer, policy: torch.nn.Module, twin: torch.nn.Module) ->
     if "forward" in vars(policy) and "forward" not in vars(twin):
         add_fused_lm_head(twin, temperature=trainer.temperature, cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32,
                           outputs=("log_probs", "entropy"))
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------------------
+def write_checkpoint_files(trainer, folder: str, run_dir: str, trial) -> None:
+    """Write into ``folder`` everything a checkpoint of ``trl.GRPOTrainer`` holds, as its ``_save_checkpoint`` writes
+    it into ``<run_dir>/checkpoint-<step>`` — without the Hub push and the rotation of older checkpoints, which
+    :func:`trl_fp8.checkpoints.save_checkpoint` runs once the folder is complete and in place.
+
+    Mirrors trl 1.16 ``GRPOTrainer._save_checkpoint`` (model card, then transformers', then the adaptive-entropy
+    controller's state) and transformers 5.19 ``Trainer._save_checkpoint`` (both fingerprinted in the contract test).
+    Every process calls it (DeepSpeed/FSDP saves are collective; each process writes its RNG state).
+    """
+    import json
+    from pathlib import Path
+
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+    args, state = trainer.args, trainer.state
+    # TRL: the model card, in output_dir
+    model_name = Path(args.output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
+    trainer.create_model_card(model_name=model_name)
+    # transformers
+    if trainer.hp_search_backend is None and trial is None:
+        trainer.store_flos()
+    trainer.save_model(folder, _internal_call=True)
+    if args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and state.best_global_step:
+        trainer.accelerator.wait_for_everyone()  # transformers: the model is saved by process 0 before the check
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+        # the checkpoint being written is the best one: it is in place once renamed (transformers checks the folder,
+        # which it writes in place)
+        if state.best_global_step == state.global_step or os.path.exists(best):
+            state.best_model_checkpoint = best
+    if not args.save_only_model:
+        trainer._save_optimizer_and_scheduler(folder)
+        trainer._save_scaler(folder)
+        trainer._save_rng_state(folder)
+    if args.should_save:
+        for cb in [cb for cb in trainer.callback_handler.callbacks + [trainer.control]
+                   if isinstance(cb, ExportableState)]:
+            cb_name, cb_state = cb.__class__.__name__, cb.state()
+            if isinstance(state.stateful_callbacks[cb_name], list):
+                state.stateful_callbacks[cb_name].append(cb_state)
+            else:
+                state.stateful_callbacks[cb_name] = cb_state
+        state.save_to_json(os.path.join(folder, "trainer_state.json"))
+    # TRL: the adaptive-entropy controller
+    if trainer.use_adaptive_entropy and args.should_save:
+        with open(os.path.join(folder, "entropy_ctrl_state.json"), "w") as f:
+            json.dump({"entropy_coef": trainer.entropy_coef, "last_world_entropy": trainer._last_world_entropy}, f)
+
+
+def run_dir(trainer, trial=None) -> str:
+    """The folder checkpoints go to (``output_dir``, or a hyperparameter-search trial's folder)."""
+    return trainer._get_output_dir(trial=trial)
+
+
+def load_model_from_checkpoint(trainer, folder: str) -> None:
+    """transformers' loading of a checkpoint's weights (full model, sharded, or PEFT adapters) into the model, as
+    ``Trainer.train`` does it before training."""
+    trainer._load_from_checkpoint(folder)
+
+
+def push_checkpoint(trainer, folder: str) -> None:
+    """transformers' push of a checkpoint folder to the Hub (``args.push_to_hub``), as its ``_save_checkpoint`` runs
+    it."""
+    trainer._push_from_checkpoint(folder)
+
+
+def generation_buffer(trainer) -> dict | None:
+    """TRL's generation buffer when a checkpoint falls between two generations, else None.
+
+    TRL generates once per ``steps_per_generation × num_iterations`` micro-steps and feeds the micro-batches from
+    ``_buffered_inputs`` (picked by ``_step``). A checkpoint taken between two generations without it resumes by
+    generating afresh (TRL's own resume does): a different batch, not the run it would have been."""
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    if trainer._buffered_inputs is None or trainer._step % generate_every == 0:
+        return None
+    return {"step": int(trainer._step), "buffered_inputs": trainer._buffered_inputs}
+
+
+def advance_train_sampler(sampler, epochs: int) -> None:
+    """Bring TRL's ``RepeatSampler`` to where it is at the start of epoch ``epochs`` of an uninterrupted run.
+
+    Its generator is seeded once, when the sampler is built, and each epoch draws the next permutation from it; a
+    resumed session builds a new sampler, so without this every resumed epoch would replay epoch 0's order (the
+    data of the uninterrupted run from the second epoch on is not what a resumed run sees)."""
+    from trl.trainer.utils import RepeatSampler
+
+    if not isinstance(sampler, RepeatSampler) or not sampler.shuffle:
+        return
+    for _ in range(int(epochs)):
+        torch.randperm(sampler.num_samples, generator=sampler.generator)
+
+
+def restore_generation_buffer(trainer, state: dict) -> None:
+    trainer._step = int(state["step"])
+    trainer._buffered_inputs = state["buffered_inputs"]
 
 
 # -- TRL's command line --------------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ them; every hook has a do-nothing default, so a capability implements only what 
   ``on_policy_logps(trainer, inputs, logps)`` (the loss forward's per-token logprobs);
 - tensors: ``describe(model)`` (the :class:`~trl_fp8.numerics.TensorSpec` of each tensor it changes the numerics
   of, read from the modules);
-- checkpoints: ``state_dict()`` / ``load_state_dict(state)``, stored in the checkpoint as ``state_file``
-  (``state_optional``: a checkpoint without it resumes with the capability's fresh state instead of an error);
+- checkpoints: ``state_dict()`` / ``load_state_dict(state)``, stored in the checkpoint as ``state_file`` (a resume
+  restores it exactly; ``state_required = False``: a checkpoint without it starts the capability afresh), and
+  ``resume_fields``: the config fields that shape its state, which a resume must match (see
+  :mod:`trl_fp8.checkpoints`);
 - metrics: recorded with :func:`trl_fp8._trl.record_metric` into TRL's own per-mode metrics;
 - many processes: ``engines`` (per engine, None: supported, or why it is refused) and ``off_hint`` (the setting that
   turns it off), applied at config time and at trainer start by :func:`trl_fp8.distributed.admit`.
@@ -57,7 +59,8 @@ class Capability:
     name: str = ""
     Args: type | None = None  # the GRPOConfig fields of this capability (a dataclass mixin)
     state_file: str | None = None  # file in a checkpoint folder holding state_dict(), if it has state
-    state_optional: bool = False  # True: resuming from a checkpoint without state_file is allowed (nothing loaded)
+    state_required: bool = True  # False: resuming from a checkpoint without state_file starts it afresh
+    resume_fields: tuple[str, ...] = ()  # config fields a resumed run must share with the checkpoint
     # Many processes: "ddp" / "deepspeed" / "fsdp" -> None (supported) or why it is refused (a dict per ZeRO stage /
     # FSDP version where they differ); an engine left out is refused. One process is always supported.
     engines: dict = {}

@@ -12,13 +12,12 @@ empty and training is TRL's, step for step (``tests/test_trainer.py`` proves it 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from . import _trl, distributed
+from . import _trl, checkpoints, distributed, trackers
 from .capabilities import CAPABILITIES
 from .components import Capability
 from .config import GRPOConfig
@@ -48,6 +47,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *pargs, **kwargs):
         with _trl.engine_context(args):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        trackers.attach(self)  # W&B / trackio: a resumed session continues the same run
         self.capabilities = {}
         engine = distributed.detect(self)  # DeepSpeed/FSDP from args, an accelerate config or the trainer itself
         for cls in CAPABILITIES:  # set-up order is list order
@@ -151,38 +151,27 @@ class GRPOTrainer(_TRLGRPOTrainer):
         _trl.shutdown_trainer_vllm(self)
         super().end()
 
-    # -- checkpoints: each capability's state next to TRL's ----------------------------------------------------
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if not self.args.should_save:
-            return
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    # -- checkpoints: atomic, each capability's state inside, resumed from the newest complete one -----------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """TRL's ``train``, with ``resume_from_checkpoint="auto"`` (also taken from ``args.resume_from_checkpoint``
+        when no argument is given): the newest complete checkpoint, else the previous one, else a fresh start.
+        ``True`` skips incomplete checkpoints too; any checkpoint written with other trl_fp8 settings is refused; a
+        checkpoint at ``max_steps`` is loaded without training a step past it.
+        See :mod:`trl_fp8.checkpoints`."""
+        resume = checkpoints.prepare_resume(self, resume_from_checkpoint, trial)
+        finished = checkpoints.finished_run(self, resume)  # at max_steps already: nothing to train
+        if finished is not None:
+            return finished
+        return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
 
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        for capability in self.capabilities.values():
-            state = capability.state_dict()
-            if state is None or capability.state_file is None:
-                continue
-            path = os.path.join(folder, capability.state_file)
-            tmp = path + ".tmp"
-            torch.save(state, tmp)
-            os.replace(tmp, path)  # never a half-written state file
+    def _save_checkpoint(self, model, trial):
+        checkpoints.save_checkpoint(self, trial)  # what TRL writes, written atomically; push and rotation after
+
+    def _get_train_sampler(self, dataset=None):
+        self._train_sampler = super()._get_train_sampler(dataset)  # a resume advances it to the resumed epoch
+        return self._train_sampler
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        for capability in self.capabilities.values():
-            if capability.state_file is None:
-                continue
-            path = os.path.join(checkpoint, capability.state_file)
-            if not os.path.isfile(path):
-                if capability.state_optional:  # e.g. the time budget: none used before this session
-                    continue
-                raise ValueError(
-                    f"Resuming with {capability.name} on from {checkpoint}, which has no {capability.state_file} (it "
-                    f"was not written by a {capability.name} run): its state cannot be restored. Resume with the "
-                    f"{capability.name} settings the checkpoint was written with."
-                )
-            capability.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-
+        if checkpoint is not None:
+            checkpoints.load_states(self, checkpoint)

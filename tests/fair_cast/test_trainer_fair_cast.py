@@ -121,6 +121,10 @@ def test_resume_from_a_checkpoint_without_fair_cast_state_is_refused(tmp_path, t
     plain.train()
     checkpoint = os.path.join(plain.args.output_dir, "checkpoint-2")
     fc = _trainer(tmp_path, tiny_model_dir, output_dir=str(tmp_path / "fc"), max_steps=3)
+    with pytest.raises(ValueError, match="fair_cast='off' in the checkpoint, fair_cast='stochastic' in this run"):
+        fc.train(resume_from_checkpoint=checkpoint)
+    os.remove(os.path.join(checkpoint, "trl_fp8_settings.json"))  # as written by trl_fp8 before it recorded them
+    os.remove(os.path.join(checkpoint, "trl_fp8_complete.json"))
     with pytest.raises(ValueError, match="has no fair_cast_state.pt"):
         fc.train(resume_from_checkpoint=checkpoint)
 

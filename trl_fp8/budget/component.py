@@ -249,7 +249,7 @@ class TimeBudget(Capability):
     name = "time_budget"
     Args = TimeBudgetArgs
     state_file = "time_budget_state.pt"
-    state_optional = True  # a checkpoint written without a budget resumes with none used so far
+    state_required = False  # a checkpoint written without a budget resumes with none used so far
     # it observes step and save times and asks for TRL's own save; the stop decision is all-reduced (any_rank)
     engines = {"ddp": None, "deepspeed": None, "fsdp": None}
     off_hint = "time_budget=None (and no TRL_FP8_TIME_BUDGET)"

@@ -51,6 +51,10 @@ class DuetArgs:
 class Duet(Capability):
     name = "duet"
     Args = DuetArgs
+    state_file = "duet_state.pt"
+    state_required = False  # checkpoints of earlier trl_fp8 versions have none: the controller then starts afresh
+    resume_fields = ("duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
+                     "duet_min_propensity", "duet_max_weight")
     engines = {
         "ddp": None,  # one plan for the global batch, identical on every rank (see generate)
         "deepspeed": {  # ZeRO-1/2 keep the parameters whole: generation involves no collective
@@ -108,6 +112,13 @@ class Duet(Capability):
         self.batch = None
         self.last_weights = None  # the latest batch's importance weights (global, and this rank's slice)
         return True
+
+    # -- checkpoints: a resumed run plans as the uninterrupted one would ------------------------------------------
+    def state_dict(self) -> dict:
+        return {"format": 1, "controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state["controller"])
 
     # -- generation: DUET replaces the path --------------------------------------------------------------------
     def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, model=None):

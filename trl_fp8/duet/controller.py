@@ -61,6 +61,22 @@ class DuetController:
         self.quantiles = LengthQuantiles()
         self.rng = random.Random(seed)
 
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything the controller learned and its random stream: per-prompt statistics, length quantiles, RNG."""
+        version, internal, gauss_next = self.rng.getstate()
+        return {
+            "stats": self.stats.state_dict(),
+            "quantiles": self.quantiles.state_dict(),
+            "rng": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats.load_state_dict(state["stats"])
+        self.quantiles.load_state_dict(state["quantiles"])
+        rng = state["rng"]
+        self.rng.setstate((int(rng["version"]), tuple(int(x) for x in rng["internal"]), rng["gauss_next"]))
+
     def plan(self, keys: list[str]) -> BatchPlan:
         s, lengths, _, reprobe = self.stats.lookup(keys)
         mean_len = self.stats.cold_length()

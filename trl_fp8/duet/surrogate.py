@@ -79,6 +79,20 @@ class PromptStats:
             return sum(self._recent_lengths) / len(self._recent_lengths)
         return self.default_length
 
+    def state_dict(self) -> dict:
+        """The table (in LRU order) and the latest batch's lengths: plain lists, for a checkpoint."""
+        return {
+            "table": [[key, e.count, e.mean_s, e.mean_len, e.since_update] for key, e in self._table.items()],
+            "recent_lengths": list(self._recent_lengths),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._table = OrderedDict(
+            (str(key), _Entry(int(count), float(mean_s), float(mean_len), int(since)))
+            for key, count, mean_s, mean_len, since in state["table"]
+        )
+        self._recent_lengths = list(state["recent_lengths"])
+
     def lookup(self, keys: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(s, L, warm, reprobe) tensors for ``keys``; counts one allocation for each warm key."""
         s, lengths, warm, reprobe = [], [], [], []
@@ -114,6 +128,14 @@ class LengthQuantiles:
 
     def add(self, lengths: list[float]) -> None:
         self.lengths = (self.lengths + list(lengths))[-self.window:]
+
+    def state_dict(self) -> dict:
+        return {"lengths": list(self.lengths), "k1": self.k1, "k2": self.k2, "steps": self._steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lengths = list(state["lengths"])
+        self.k1, self.k2 = float(state["k1"]), float(state["k2"])
+        self._steps = int(state["steps"])
 
     def step(self) -> None:
         """Called once per training step; refits when due."""

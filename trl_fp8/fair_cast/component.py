@@ -76,6 +76,7 @@ class FairCast(Capability):
     name = "fair_cast"
     Args = FairCastArgs
     state_file = "fair_cast_state.pt"
+    resume_fields = ("fair_cast", "served_dtype")
     engines = {
         "ddp": None,  # every replica exports the same bits: SR keyed by (seed, step, tensor), EF deterministic
         # ZeRO-1/2/3: the export replaces DeepSpeed's fp32 -> 16-bit partition copy (fair_cast.zero)

@@ -205,6 +205,9 @@ class ServedCopy:
             "master": {n: u.master.detach().cpu().clone() for n, u in self.units.items() if isinstance(u, ParamUnit)},
             "served": {n: t.detach().cpu().clone() for n, t in self.served.items()},
             "residual": {n: t.detach().cpu().clone() for n, t in self.residual.items()},
+            # the lag metric's running direction: without it the first lag_steps after a resume would differ
+            "metrics": {"ema": None if self._ema is None else self._ema.detach().cpu().clone(),
+                        "ema_steps": self._ema_steps},
         }
 
     @torch.no_grad()
@@ -224,3 +227,8 @@ class ServedCopy:
                 self.residual[n].copy_(state["residual"][n])
         self.seed = int(state["seed"])
         self.step = int(state["step"])
+        metrics = state.get("metrics")  # absent from checkpoints written before it was saved
+        if metrics is not None:
+            ema = metrics["ema"]
+            self._ema = None if ema is None else ema.to(next(iter(self._subset.values())).device)
+            self._ema_steps = int(metrics["ema_steps"])

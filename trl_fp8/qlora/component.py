@@ -120,6 +120,8 @@ def resolve_cache_dtype(name: str, compute: torch.dtype, device: torch.device) -
 class FastQLoRA(Capability):
     name = "fast_qlora"
     Args = FastQLoRAArgs
+    # which layers stay dense and which adapters train; the rollout cache (size, dtype) may change between sessions
+    resume_fields = ("fast_qlora", "qlora_keep_budget_gb", "qlora_adapter_layers")
     engines = {
         "ddp": None,  # each rank keeps the same dense copies and its own rollout cache; DDP reduces the adapters' grads
         "deepspeed": "DeepSpeed casts and flattens the model's parameters for its 16-bit partitions, and bitsandbytes' "

@@ -62,6 +62,15 @@ def _active_rows(mask: torch.Tensor) -> torch.Tensor:
 class SyncChecks(Capability):
     name = "sync_checks"
     Args = SyncChecksArgs
+    state_file = "sync_checks_state.pt"
+    state_required = False  # checks switched on at a resume start counting afresh
+
+    def state_dict(self) -> dict:
+        return {"format": 1, "monitor": self.monitor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.monitor.load_state_dict(state["monitor"])
+
     engines = {
         "ddp": None,  # every rank checks its own sampler; results and metrics are agreed across ranks
         # ZeRO-1/2 keep every parameter whole; under ZeRO-3 the learner's stream gathers (every rank iterates it) and

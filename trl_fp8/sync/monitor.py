@@ -94,6 +94,27 @@ class SyncMonitor:
         self.not_applicable: dict[str, str] = {}  # check -> why it had nothing to compare (first reason)
         self.failures: list[C.CheckResult] = []
 
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Counters (the interval's phase; first-sync checks run once per run, not per session), the logprob band's
+        memory (reference, consecutive over-band evaluations) and what was compared or failed so far."""
+        band = self.band
+        return {
+            "syncs": self.syncs, "steps": self.steps,
+            "band": {"reference": band.reference, "evaluations": band.evaluations, "over": band.over},
+            "compared": dict(self.compared), "not_applicable": dict(self.not_applicable),
+            "failures": [[r.check, r.message] for r in self.failures],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.syncs, self.steps = int(state["syncs"]), int(state["steps"])
+        band = state["band"]
+        self.band.reference = None if band["reference"] is None else float(band["reference"])
+        self.band.evaluations, self.band.over = int(band["evaluations"]), int(band["over"])
+        self.compared = {str(k): int(v) for k, v in state["compared"].items()}
+        self.not_applicable = {str(k): str(v) for k, v in state["not_applicable"].items()}
+        self.failures = [C.CheckResult(check, False, message) for check, message in state["failures"]]
+
     def enabled(self, check: str) -> bool:
         return check in self.checks
 
