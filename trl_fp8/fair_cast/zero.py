@@ -138,19 +138,27 @@ def gathered_twin(trainer, model: torch.nn.Module, dtype: torch.dtype) -> torch.
 
     from .. import _trl
 
-    twin = type(model)(model.config)
-    params = list(model.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.device("meta"):  # no allocation, no random init: every tensor is taken from the policy below
+        twin = type(model)(model.config)
     mine = dict(twin.named_parameters())
-    if set(mine) != set(weights):
+    names = [n for n, _ in model.named_parameters()]
+    if set(mine) != set(names):
         raise ValueError("Fair Cast could not rebuild the policy for its sampler under ZeRO-3: parameters only in the "
-                         f"policy {sorted(set(weights) - set(mine))[:5]}, only in the rebuilt model "
-                         f"{sorted(set(mine) - set(weights))[:5]}.")
-    for name, param in mine.items():
-        param.data = weights[name].to(dtype)
-        param.requires_grad_(False)
-    for name, buffer in model.named_buffers():
-        twin.get_buffer(name).copy_(buffer)
+                         f"policy {sorted(set(names) - set(mine))[:5]}, only in the rebuilt model "
+                         f"{sorted(set(mine) - set(names))[:5]}.")
+    made: dict[int, torch.nn.Parameter] = {}  # tied weights stay one tensor
+    for name, param in model.named_parameters(remove_duplicate=False):  # one tensor gathered at a time
+        if id(param) not in made:
+            with deepspeed.zero.GatheredParameters([param]):
+                made[id(param)] = torch.nn.Parameter(param.detach().to(dtype).clone(), requires_grad=False)
+        owner, _, leaf = name.rpartition(".")
+        twin.get_submodule(owner)._parameters[leaf] = made[id(param)]
+    for name, buffer in model.named_buffers(remove_duplicate=False):  # not partitioned (rotary frequencies, ...)
+        owner, _, leaf = name.rpartition(".")
+        twin.get_submodule(owner)._buffers[leaf] = buffer.detach().clone()
+    left = [n for n, t in list(twin.named_parameters()) + list(twin.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"Fair Cast could not rebuild the policy for its sampler under ZeRO-3: {left[:5]} have no "
+                         "counterpart in the policy.")
     _trl.patch_fused_head(trainer, model, twin)
-    return twin.to(next(iter(weights.values())).device).eval()
+    return twin.eval()
