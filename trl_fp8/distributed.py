@@ -116,7 +116,8 @@ def detect(trainer) -> Engine:
     if getattr(trainer, "is_deepspeed_enabled", False):
         stage = _int_or_none(getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", None))
         return Engine("deepspeed", processes, stage if stage is not None else requested.zero_stage,
-                      source=requested.source if requested.kind == "deepspeed" else "the trainer (is_deepspeed_enabled)")
+                      source=requested.source if requested.kind == "deepspeed" else
+                      "the trainer (is_deepspeed_enabled)")
     if getattr(trainer, "is_fsdp_enabled", False):
         version = _int_or_none(getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None))
         return Engine("fsdp", processes, fsdp_version=version or requested.fsdp_version,

@@ -99,7 +99,8 @@ def make_trainer(out, name, **fields):
 
     world = _world()
     kwargs = dict(
-        output_dir=os.path.join(out, name), use_cpu=os.environ.get("TRL_FP8_TEST_DEVICE", "cpu") == "cpu", bf16=False, max_steps=3, learning_rate=5e-3,
+        output_dir=os.path.join(out, name), use_cpu=os.environ.get("TRL_FP8_TEST_DEVICE", "cpu") == "cpu",
+        bf16=False, max_steps=3, learning_rate=5e-3,
         per_device_train_batch_size=GLOBAL_BATCH // world, num_generations=4, max_completion_length=8,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=11, sync_checks="all",
     )
@@ -175,7 +176,8 @@ def inject_fault(trainer):
 
 
 def inject_vllm_fault(trainer):
-    """Rank 1 only: from the sync to step 1 on, one weight of its colocated vLLM engine is not what TRL's sync loaded."""
+    """Rank 1 only: from the sync to step 1 on, one weight of its colocated vLLM engine is not what TRL's sync
+    loaded."""
     if _rank() != 1:
         return
     from trl_fp8 import _trl
@@ -305,7 +307,8 @@ def run(out: str, name: str) -> int:
     checks = trainer.capability("sync_checks")
     record["checks"] = checks.monitor.summary() if checks is not None else None
     record["deepspeed"] = bool(trainer.is_deepspeed_enabled)
-    if name in ("zero2_sr", "zero2_ef", "zero3_sr", "zero3_ef") and status == 0:  # resume from checkpoint-2, train step 3 again: same bits
+    # resume from checkpoint-2 and train step 3 again: the same bits
+    if name in ("zero2_sr", "zero2_ef", "zero3_sr", "zero3_ef") and status == 0:
         resumed = make_trainer(out, name + "_resumed", **SCENARIOS[name])
         again = {"served": [], "sampler": [], "reference_ok": []}
         check_zero_against_reference(resumed, again)

@@ -155,7 +155,8 @@ def deepspeed_setup(stage):
                 with deepspeed.zero.GatheredParameters(params):
                     return {n: p.detach().to(torch.bfloat16).reshape(-1).view(torch.int16).cpu().clone()
                             for n, p in engine.module.named_parameters()}
-            return {n: p.detach().reshape(-1).view(torch.int16).cpu().clone() for n, p in engine.module.named_parameters()}
+            return {n: p.detach().reshape(-1).view(torch.int16).cpu().clone()
+                    for n, p in engine.module.named_parameters()}
 
         def restart(folder):  # a fresh engine from DeepSpeed's checkpoint, a fresh export from ours
             nonlocal engine, optimizer

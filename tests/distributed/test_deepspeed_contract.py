@@ -47,5 +47,6 @@ def test_zero3_step_reassigns_the_partitions_right_after_the_optimizer_step():
     assert _in_order(source, "def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id)",
                      "self.fp16_partitioned_groups_flat[sub_group_id].data.copy_(",
                      "self.fp32_partitioned_groups_flat[sub_group_id].data)")
-    assert _in_order(source, "def _post_step(self", "self.persistent_parameters[0].all_gather(self.persistent_parameters)")
+    assert _in_order(source, "def _post_step(self",
+                     "self.persistent_parameters[0].all_gather(self.persistent_parameters)")
     assert hasattr(Z, "invalidate_secondary_tensor")

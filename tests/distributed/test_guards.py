@@ -90,7 +90,8 @@ def test_default_checks_switch_off_with_one_line_instead_of_refusing(caplog):
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "FSDP2" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trl_fp8.distributed"):  # TRL's own sampler: nothing to check
-        assert admit(SyncChecks, SimpleNamespace(sync_checks="default", use_vllm=False, fair_cast="off"), engine) is False
+        args = SimpleNamespace(sync_checks="default", use_vllm=False, fair_cast="off")
+        assert admit(SyncChecks, args, engine) is False
     assert [r.levelname for r in caplog.records] == ["INFO"]
     with pytest.raises(ValueError, match="sync_checks is not supported with FSDP2"):
         admit(SyncChecks, SimpleNamespace(sync_checks="all"), engine)

@@ -1,10 +1,12 @@
-"""trl_fp8.GRPOTrainer under DeepSpeed ZeRO-2 and ZeRO-3 with two CPU ranks (``torchrun`` with the environment ``accelerate
-launch --config_file zero2.yaml`` sets, ``DS_ACCELERATOR=cpu``, gloo, bf16): Fair Cast replaces DeepSpeed's fp32 ->
-bf16 partition copy, so the weights the forward runs on are the served copy — after every step, the one-process SR
-export of the fp32 master assembled from both ranks' partitions, bit for bit — the in-process twin serves them with
-every weight-sync check passing on both ranks, and a run resumed from checkpoint-2 serves step 3's bits again; DUET
-makes one plan for the global batch there too, and MXFP8 composes with it; under ZeRO-3 (partitioned parameters) Fair Cast
-SR/EF and the checks run the same way and resume exactly. About 60 + 30 s."""
+"""trl_fp8.GRPOTrainer under DeepSpeed ZeRO-2 and ZeRO-3 with two CPU ranks: ``torchrun`` with the environment
+``accelerate launch --config_file zero2.yaml`` sets, ``DS_ACCELERATOR=cpu``, gloo, bf16.
+
+Fair Cast replaces DeepSpeed's fp32 -> bf16 partition copy, so the weights the forward runs on are the served copy —
+after every step, the one-process SR export of the fp32 master assembled from both ranks' partitions, bit for bit —
+the in-process twin serves them with every weight-sync check passing on both ranks, and a run resumed from
+checkpoint-2 serves step 3's bits again (SR and EF). DUET makes one plan for the global batch under ZeRO-2 and MXFP8
+composes with it; under ZeRO-3 (partitioned parameters) Fair Cast SR/EF and the checks run the same way. About 30 s
+per launch (two launches)."""
 
 import json
 import os

@@ -149,7 +149,8 @@ def test_checkpoint_resumes_exactly_and_reshards_onto_another_world_size(tmp_pat
         run(world, 2, start=2, copies=copies, params=resumed_params)
         served = _assembled(copies, resumed_params)
         for name in SHAPES:
-            assert torch.equal(served[name].view(-1).view(torch.int16), straight[0].served[name].view(torch.int16)), name
+            expected = straight[0].served[name].view(torch.int16)
+            assert torch.equal(served[name].view(-1).view(torch.int16), expected), name
             assert torch.equal(resumed_params[name].data, straight_params[name].data), name
 
 

@@ -205,7 +205,8 @@ def deepspeed_units(optimizer, module: torch.nn.Module) -> tuple[list[PartitionU
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: each parameter partitioned on its own
         rank = dist.get_rank(group=getattr(optimizer, "dp_process_group", None))
         for g, params in enumerate(optimizer.fp16_groups):
-            flat16, flat32, names = optimizer.fp16_partitioned_groups_flat[g], optimizer.fp32_partitioned_groups_flat[g], []
+            flat16, flat32 = optimizer.fp16_partitioned_groups_flat[g], optimizer.fp32_partitioned_groups_flat[g]
+            names = []
             for p in params:
                 name, i = index[id(p)]
                 part = p.ds_tensor

@@ -6,12 +6,14 @@ training (after accelerate has built the engine and loaded a checkpoint) :class:
 writes the export into DeepSpeed's 16-bit partitions, which DeepSpeed all-gathers, so the module's 16-bit weights
 *are* the served copy on every rank — the loss runs on them (Fair Cast's "loss on the served copy" for free), and the
 in-process twin is synced from them (under ZeRO-3 gathered one tensor at a time; the twin itself is built at set-up
-from the gathered weights, :func:`gathered_twin`). SR and RTN resume exactly by exporting DeepSpeed's restored master again at the
-resumed step (the random bits are keyed by (seed, step, tensor, global element)). Error feedback's residual lives
-per ZeRO partition: at each save every rank writes its own ``fair_cast_state.rank<r>.pt`` (served values, residual
-and their global layout) into ``<output_dir>/checkpoint-<step>`` next to DeepSpeed's per-rank files, and a resume
-reads it back (re-sharded by global element index if the world size changed) — or refuses, naming the file, when it
-is not there. Metrics come from each rank's partitions and are reduced once over the ranks.
+from the gathered weights, :func:`gathered_twin`).
+
+SR and RTN resume exactly by exporting DeepSpeed's restored master again at the resumed step (the random bits are
+keyed by (seed, step, tensor, global element)). Error feedback's residual lives per ZeRO partition: at each save every
+rank writes its own ``fair_cast_state.rank<r>.pt`` (served values, residual and their global layout) into
+``<output_dir>/checkpoint-<step>`` next to DeepSpeed's per-rank files, and a resume reads it back (re-sharded by
+global element index if the world size changed) — or refuses, naming the file, when it is not there. Metrics come
+from each rank's partitions and are reduced once over the ranks.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ def agree(results: list[CheckResult], sent: dict[str, int] | None = None, step: 
             continue
         rank, item = failing[0]
         others = [r for r, _ in failing[1:]]
-        also = f" (also failing on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
+        plural = "s" if len(others) > 1 else ""
+        also = f" (also failing on rank{plural} {', '.join(map(str, others))})" if others else ""
         merged.append(CheckResult(check, False, f"on rank {rank} of {len(everyone)}: {item[2]}{also}", metrics))
     reference = everyone[0][1]
     if reference is not None:
@@ -80,7 +81,8 @@ def agree(results: list[CheckResult], sent: dict[str, int] | None = None, step: 
                 break
     for rank, (_, _, err) in enumerate(everyone):
         if err is not None:
-            merged.append(CheckResult("sync_checks", False, f"rank {rank} of {len(everyone)} failed while checking: {err}"))
+            merged.append(CheckResult("sync_checks", False,
+                                      f"rank {rank} of {len(everyone)} failed while checking: {err}"))
             break
     return merged
 
