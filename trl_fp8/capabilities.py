@@ -8,6 +8,7 @@ observes steps and saves, and stops the run).
 """
 
 from .budget.component import TimeBudget
+from .distributed import Engine, refusal
 from .duet.component import Duet
 from .fair_cast.component import FairCast
 from .mxfp8.component import MXFP8
@@ -15,3 +16,19 @@ from .qlora.component import FastQLoRA
 from .sync.component import SyncChecks
 
 CAPABILITIES = (MXFP8, FastQLoRA, FairCast, Duet, SyncChecks, TimeBudget)
+
+
+def support_table(capabilities=CAPABILITIES) -> list[tuple[str, dict[str, str]]]:
+    """Per capability, per engine column: ``"supported"`` or ``"refused: <why>"`` (the README's "Many processes"
+    table), from each capability's own engine rules (:func:`trl_fp8.distributed.refusal`)."""
+    columns = [("one process", Engine("single")), ("DDP", Engine("ddp", 2)),
+               ("ZeRO-1/2", Engine("deepspeed", 2, 2)), ("ZeRO-3", Engine("deepspeed", 2, 3)),
+               ("FSDP1", Engine("fsdp", 2, fsdp_version=1)), ("FSDP2", Engine("fsdp", 2, fsdp_version=2))]
+    rows = []
+    for cap in capabilities:
+        row = {}
+        for title, engine in columns:
+            reason = refusal(cap, engine)
+            row[title] = "supported" if reason is None else f"refused: {reason}"
+        rows.append((cap.name, row))
+    return rows

@@ -15,7 +15,7 @@ request wins: a guard never lets a capability run in a mode nobody tested becaus
 (supported) or the reason it is refused. :func:`admit` applies it at config time and at trainer start: a refused
 capability raises a ``ValueError`` naming the capability, the engine, where the engine was asked for and how to turn
 the capability off — except one that is on by default and was not asked for (``soft_default``, the weight-sync
-checks), which says so in one warning line and stays off. :func:`support_table` is the README's table.
+checks), which says so in one warning line and stays off. :func:`trl_fp8.capabilities.support_table` is the README's table.
 
 **Collectives.** :func:`gather_objects`, :func:`reduce_floats`: no-ops on one process, one small collective
 otherwise; every rank must call them at the same point (the capabilities call them at fixed points of the step).
@@ -162,23 +162,6 @@ def admit(capability, args, engine: Engine) -> bool:
         return False
     raise ValueError(f"{capability.name} is not supported with {engine.label}{where}: {reason}. Run it on one process "
                      f"or with DDP, or set {capability.off_hint}.")
-
-
-def support_table(capabilities=None) -> list[tuple[str, dict[str, str]]]:
-    """Per capability, per engine column: ``"supported"`` or ``"refused: <why>"`` (the README's table)."""
-    if capabilities is None:
-        from .capabilities import CAPABILITIES as capabilities
-    columns = [("one process", Engine("single")), ("DDP", Engine("ddp", 2)),
-               ("ZeRO-1/2", Engine("deepspeed", 2, 2)), ("ZeRO-3", Engine("deepspeed", 2, 3)),
-               ("FSDP1", Engine("fsdp", 2, fsdp_version=1)), ("FSDP2", Engine("fsdp", 2, fsdp_version=2))]
-    rows = []
-    for cap in capabilities:
-        row = {}
-        for title, engine in columns:
-            reason = refusal(cap, engine)
-            row[title] = "supported" if reason is None else f"refused: {reason}"
-        rows.append((cap.name, row))
-    return rows
 
 
 # -- collectives ----------------------------------------------------------------------------------------------
