@@ -404,32 +404,32 @@ def dense_engine():
     """While active, a colocated engine TRL builds for a 4-bit policy is started without TRL's
     ``quantization="bitsandbytes"``: it loads the checkpoint's 16-bit weights, and fast QLoRA sends it
     ``dequant(W) + ΔW`` in that dtype (see :mod:`trl_fp8.qlora.vllm`)."""
-    import trl.generation.vllm_generation as trl_vllm
-
-    original_llm = trl_vllm.LLM
-
-    def llm(*args, **kwargs):
+    def rewrite(kwargs):
         if kwargs.get("quantization") == "bitsandbytes":
             kwargs["quantization"] = None
-        return original_llm(*args, **kwargs)
 
-    trl_vllm.LLM = llm
-    try:
+    with _rewriting_llm(rewrite):
         yield
-    finally:
-        trl_vllm.LLM = original_llm
 
 
 @contextlib.contextmanager
 def engine_dtype(dtype: str):
     """While active, a colocated engine TRL builds is started with ``dtype=dtype`` (TRL passes none, so vLLM takes the
     checkpoint's, e.g. bf16, which it refuses below compute capability 8.0): ``precision`` chose fp16."""
+    with _rewriting_llm(lambda kwargs: kwargs.setdefault("dtype", dtype)):
+        yield
+
+
+@contextlib.contextmanager
+def _rewriting_llm(rewrite):
+    """While active, TRL's module-global ``LLM`` (what ``_init_vllm`` builds a colocated engine with) is called with
+    its keyword arguments passed through ``rewrite(kwargs)`` first; restored after."""
     import trl.generation.vllm_generation as trl_vllm
 
     original_llm = trl_vllm.LLM
 
     def llm(*args, **kwargs):
-        kwargs.setdefault("dtype", dtype)
+        rewrite(kwargs)
         return original_llm(*args, **kwargs)
 
     trl_vllm.LLM = llm

@@ -159,6 +159,16 @@ def lora_delta(layer, dtype: torch.dtype = torch.float32) -> torch.Tensor | None
     return None if delta is None else delta.to(dtype)
 
 
+@torch.no_grad()
+def merged_weight(layer) -> torch.Tensor:
+    """``W + ΔW`` of a LoRA layer in fp32 (``W``: dequantized for a 4-bit base), never written anywhere: what a dense
+    copy, the rollout cache and a 16-bit engine hold for this layer."""
+    base = layer.get_base_layer()
+    weight = dequantize(base, torch.float32) if is_4bit(base) else base.weight.detach().float()
+    delta = lora_delta(layer)
+    return weight if delta is None else weight + delta.to(weight.device)
+
+
 class DenseBase(torch.nn.Module):
     """A frozen dense linear standing in for a 4-bit one: the same ``weight`` values bitsandbytes dequantizes to,
     computed as its forward computes (input cast to the layer's compute dtype, ``linear(x, W, bias)``, output cast
@@ -216,10 +226,7 @@ def unload_dense(model: torch.nn.Module) -> int:
                if isinstance(m, LoraLayer) and (is_4bit(m.get_base_layer()) or isinstance(m.get_base_layer(), DenseBase))]
     for name, layer in targets:
         base = layer.get_base_layer()
-        weight = dequantize(base, torch.float32) if is_4bit(base) else base.weight.detach().float()
-        delta = lora_delta(layer)
-        if delta is not None:
-            weight = weight + delta.to(weight.device)
+        weight = merged_weight(layer)
         dtype = compute_dtype(base) if is_4bit(base) else base.weight.dtype
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

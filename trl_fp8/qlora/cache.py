@@ -64,15 +64,9 @@ class RolloutCache:
     @torch.no_grad()
     def _weight(self, layer) -> tuple[torch.Tensor, torch.Tensor | None]:
         base = layer.get_base_layer()
-        if fourbit.is_4bit(base):
-            weight = fourbit.dequantize(base, torch.float32)
-            if self.on_dequant is not None:
-                self.on_dequant()
-        else:  # a layer kept dense: no dequantization
-            weight = base.weight.detach().float()
-        delta = fourbit.lora_delta(layer)
-        if delta is not None:
-            weight = weight + delta.to(weight.device)
+        weight = fourbit.merged_weight(layer)
+        if fourbit.is_4bit(base) and self.on_dequant is not None:  # a layer kept dense needs no dequantization
+            self.on_dequant()
         bias = base.bias
         return weight.to(self.dtype), None if bias is None else bias.detach().to(self.dtype)
 

@@ -285,12 +285,9 @@ class FastQLoRA(Capability):
         for module_name, module in self.model.named_modules():
             if isinstance(module, LoraLayer):
                 base = module.get_base_layer()
-                weight = fourbit.dequantize(base, torch.float32) if fourbit.is_4bit(base) else base.weight.float()
+                weight = fourbit.merged_weight(module)
                 if fourbit.is_4bit(base):
                     self.counter.count_explicit()
-                delta = fourbit.lora_delta(module)
-                if delta is not None:
-                    weight = weight + delta.to(weight.device)
                 prefix = _served_name(module_name)
                 target = dtype or (fourbit.compute_dtype(base) if fourbit.is_4bit(base) else base.weight.dtype)
                 yield prefix + ".weight", weight.to(target)
