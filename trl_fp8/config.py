@@ -77,8 +77,11 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
             weights keep the gradient unbiased.
         duet_budget (`float`, *optional*, defaults to `0.5`):
             Fraction β in (0, 1] of the full GRPO budget (prompts × num_generations × mean rollout length).
-        duet_n_min (`int`, *optional*, defaults to `1`) / duet_n_max (`int`, *optional*):
-            Bounds on rollouts per prompt; `duet_n_max` defaults to (and may not exceed) `num_generations`.
+        duet_n_min (`int`, *optional*, defaults to `2`) / duet_n_max (`int`, *optional*):
+            A prompt gets 0 rollouts or a group of `duet_n_min`..`duet_n_max` (a lone rollout's group-relative
+            advantage is 0, so `duet_n_min` must be >= 2); a prompt whose share of the budget is below `duet_n_min`
+            is sampled with that probability and weighted by its inverse. `duet_n_max` defaults to (and may not
+            exceed) `num_generations`.
         duet_markers (`list[str]`, *optional*, defaults to `["math"]`):
             Answer markers: preset names (`math`, `code`, `qa`) and/or regular expressions.
         duet_abort_keep_prob (`float`, *optional*, defaults to `0.05`):
@@ -86,6 +89,9 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
             probability that a rollout skips the confidence trim.
         duet_min_propensity (`float`, *optional*, defaults to `0.05`) / duet_max_weight (`float`, defaults to `1000`):
             Floor of the allocation propensity and cap of the importance weight.
+        duet_abort_grace (`int`, *optional*):
+            Tokens past K2 (the 80th percentile of recent kept lengths) before a marker-less rollout is aborted;
+            default: the reference's 150 tokens at a 3072-token cap, scaled to `max_completion_length` (>= 8).
 
         > trl_fp8: weight-sync checks
 

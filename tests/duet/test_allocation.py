@@ -8,55 +8,61 @@ def _cost(n, L):
     return float((n.double() * torch.as_tensor(L, dtype=torch.float64)).sum())
 
 
+def _expected_cost(s, L, lam, pi, n_min, n_max):
+    t = torch.as_tensor(s, dtype=torch.float64) / torch.sqrt(lam * torch.as_tensor(L, dtype=torch.float64))
+    return _cost(torch.where(t >= n_min, torch.clamp(torch.round(t), n_min, n_max), pi * n_min), L)
+
+
 def test_budget_respected_and_used():
     torch.manual_seed(0)
     s = torch.rand(16) * 3
     L = torch.randint(20, 200, (16,)).double()
-    for budget in (1500.0, 3000.0, 8000.0):  # all above the n_min floor (1346 tokens)
-        n, lam = allocate_rollouts(s, L, budget, n_min=1, n_max=16)
-        assert _cost(n, L) <= budget
-        assert n.min() >= 1 and n.max() <= 16
-        # no single prompt could get one more rollout (below n_max) without breaking the budget by much more
-        # than its length: the allocation is not wastefully small
-        assert budget - _cost(n, L) < L.max() * 4 or bool((n == 16).all())
+    for budget in (300.0, 1500.0, 3000.0, 8000.0):
+        n, lam, pi = allocate_rollouts(s, L, budget, n_min=2, n_max=16)
+        expected = _expected_cost(s, L, lam, pi, 2, 16)
+        assert expected <= budget + 1e-6
+        assert set(n.tolist()) <= {0} | set(range(2, 17))
+        # not wastefully small: one more rollout for some prompt would break the budget (or all are at n_max)
+        assert budget - expected < L.max() * 4 or bool((n == 16).all())
 
 
 def test_neyman_proportions_without_clipping():
     s = torch.tensor([1.0, 2.0, 4.0])
     L = torch.tensor([100.0, 100.0, 100.0])
-    n, _ = allocate_rollouts(s, L, budget=700.0, n_min=1, n_max=32)
-    assert n.tolist() == [1, 2, 4]
+    n, _, pi = allocate_rollouts(s, L, budget=1400.0, n_min=2, n_max=32)
+    assert n.tolist() == [2, 4, 8] and pi.tolist() == [1.0, 1.0, 1.0]
     # cost-weighted: 4x the length -> half the rollouts at equal informativeness
-    n, _ = allocate_rollouts(torch.tensor([4.0, 4.0]), torch.tensor([25.0, 100.0]), budget=600.0)
+    n, _, _ = allocate_rollouts(torch.tensor([4.0, 4.0]), torch.tensor([25.0, 100.0]), budget=1200.0)
     assert n[0] == 2 * n[1]
 
 
 def test_monotone_in_informativeness():
     L = torch.full((8,), 50.0)
     s = torch.linspace(0.1, 3.0, 8)
-    n, _ = allocate_rollouts(s, L, budget=1500.0, n_min=1, n_max=32)
+    n, _, pi = allocate_rollouts(s, L, budget=1500.0, n_min=2, n_max=32)
     assert torch.all(n[1:] >= n[:-1])
+    assert torch.all(pi[1:] >= pi[:-1])
 
 
 def test_bounds_and_ties_and_all_cold_uniform():
     L = torch.full((4,), 10.0)
-    n, _ = allocate_rollouts(torch.ones(4), L, budget=10_000.0, n_min=2, n_max=8)
+    n, _, _ = allocate_rollouts(torch.ones(4), L, budget=10_000.0, n_min=2, n_max=8)
     assert n.tolist() == [8, 8, 8, 8]  # n_max caps
-    n, _ = allocate_rollouts(torch.ones(4), L, budget=1.0, n_min=2, n_max=8)
-    assert n.tolist() == [2, 2, 2, 2]  # n_min floors even an impossible budget
-    n, _ = allocate_rollouts(torch.ones(6), torch.full((6,), 30.0), budget=6 * 4 * 30.0, n_min=1, n_max=8)
+    n, _, pi = allocate_rollouts(torch.ones(4), L, budget=1.0, n_min=2, n_max=8)
+    assert pi.tolist() == [0.05] * 4  # an impossible budget: every prompt at the sampling floor
+    n, _, _ = allocate_rollouts(torch.ones(6), torch.full((6,), 30.0), budget=6 * 4 * 30.0, n_min=2, n_max=8)
     assert n.tolist() == [4] * 6  # all-cold (prior 1, batch-mean length): uniform, the budget exactly
-    n, _ = allocate_rollouts(torch.zeros(3), torch.full((3,), 10.0), budget=1000.0, n_min=1, n_max=8)
-    assert n.tolist() == [1, 1, 1]
+    n, _, pi = allocate_rollouts(torch.zeros(3), torch.full((3,), 10.0), budget=1000.0, n_min=2, n_max=8)
+    assert pi.tolist() == [0.05] * 3  # nothing to learn by the surrogate: sampled at the floor only
 
 
-def test_trim_decrements_the_longest_first():
+def test_long_prompts_are_sampled_not_dropped():
+    """Where the old rule trimmed the longest prompts for good, a prompt below n_min now keeps a chance π > 0."""
     s = torch.tensor([1.0, 1.0])
     L = torch.tensor([10.0, 100.0])
-    n, _ = allocate_rollouts(s, L, budget=110.0, n_min=1, n_max=1)
-    assert n.tolist() == [1, 1]
-    n, _ = allocate_rollouts(torch.tensor([10.0, 10.0]), L, budget=150.0, n_min=0 + 1, n_max=4)
-    assert _cost(n, L) <= 150.0 and n[1] == 1
+    n, _, pi = allocate_rollouts(s, L, budget=120.0, n_min=2, n_max=4)
+    assert pi[1] < 1 and pi[1] >= 0.05 and pi[0] == 1
+    assert _expected_cost(s, L, allocate_rollouts(s, L, 120.0, 2, 4)[1], pi, 2, 4) <= 120.0 + 1e-6
 
 
 def test_bad_inputs():

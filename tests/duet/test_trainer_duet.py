@@ -107,7 +107,10 @@ def test_stopped_rows_generate_no_more_tokens(tiny_model_dir):
     [
         ({"duet_budget": 0.0}, "duet_budget must be in \\(0, 1\\]"),
         ({"duet_budget": 1.5}, "duet_budget must be in \\(0, 1\\]"),
-        ({"duet_n_min": 0}, "duet_n_min must be an integer >= 1"),
+        ({"duet_n_min": 0}, "duet_n_min must be an integer >= 2"),
+        ({"duet_n_min": 1}, "duet_n_min=1 is not allowed: GRPO's advantages are relative"),
+        ({"duet_n_max": 1, "duet_n_min": 2}, "duet_n_max must be an integer >= 2"),
+        ({"duet_abort_grace": -1}, "duet_abort_grace must be an integer >= 0 or None"),
         ({"duet_n_max": 9}, "duet_n_max=9 exceeds num_generations=8"),
         ({"duet_n_min": 5, "duet_n_max": 4}, "duet_n_min=5 must be <= duet_n_max=4"),
         ({"duet_markers": []}, "duet_markers must be a preset name or a non-empty list"),

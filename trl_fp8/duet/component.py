@@ -26,7 +26,11 @@ class DuetArgs:
         default=0.5,
         metadata={"help": "trl_fp8: DUET budget β in (0, 1], as a fraction of the full GRPO token budget."},
     )
-    duet_n_min: int = field(default=1, metadata={"help": "trl_fp8: DUET minimum rollouts per prompt (>= 1)."})
+    duet_n_min: int = field(
+        default=2,
+        metadata={"help": "trl_fp8: DUET smallest group a prompt is given (>= 2; a prompt gets 0 or duet_n_min.."
+                  "duet_n_max rollouts: a lone rollout has a group-relative advantage of 0 and teaches nothing)."},
+    )
     duet_n_max: int | None = field(
         default=None,
         metadata={"help": "trl_fp8: DUET maximum rollouts per prompt; default and upper bound: num_generations."},
@@ -46,6 +50,22 @@ class DuetArgs:
     duet_max_weight: float = field(
         default=1000.0, metadata={"help": "trl_fp8: DUET cap of the importance weight (>= 1)."}
     )
+    duet_abort_grace: int | None = field(
+        default=None,
+        metadata={"help": "trl_fp8: DUET tokens past K2 before a marker-less rollout is aborted; default (None): "
+                  "the paper's 150 tokens at a 3072-token cap, scaled to max_completion_length (at least 8)."},
+    )
+
+
+PAPER_GRACE, PAPER_CAP = 150, 3072  # the reference's grace after K2, at its completion cap
+
+
+def abort_grace(grace: int | None, max_completion_length: int) -> int:
+    """Tokens past K2 before a marker-less rollout is aborted: ``grace`` when set, else the reference's 150 tokens
+    at a 3072-token cap scaled to ``max_completion_length`` (at least 8 tokens, one marker poll)."""
+    if grace is not None:
+        return grace
+    return max(8, round(PAPER_GRACE * max_completion_length / PAPER_CAP))
 
 
 class Duet(Capability):
@@ -54,7 +74,7 @@ class Duet(Capability):
     state_file = "duet_state.pt"
     state_required = False  # checkpoints of earlier trl_fp8 versions have none: the controller then starts afresh
     resume_fields = ("duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
-                     "duet_min_propensity", "duet_max_weight")
+                     "duet_min_propensity", "duet_max_weight", "duet_abort_grace")
     engines = {
         "ddp": None,  # one plan for the global batch, identical on every rank (see generate)
         "deepspeed": {  # ZeRO-1/2 keep the parameters whole: generation involves no collective
@@ -75,8 +95,13 @@ class Duet(Capability):
         if not isinstance(args.duet, bool):
             raise ValueError(f"duet must be True or False, got {args.duet!r}.")
         check_fraction("duet_budget", args.duet_budget)
-        check_int("duet_n_min", args.duet_n_min, 1)
-        check_int("duet_n_max", args.duet_n_max, 1, allow_none=True)
+        if isinstance(args.duet_n_min, int) and not isinstance(args.duet_n_min, bool) and args.duet_n_min == 1:
+            raise ValueError("duet_n_min=1 is not allowed: GRPO's advantages are relative to the prompt's group, so a "
+                             "prompt with one rollout gets advantage 0 and teaches nothing. Use duet_n_min >= 2 (a "
+                             "prompt then gets 0 or at least duet_n_min rollouts; the default is 2).")
+        check_int("duet_n_min", args.duet_n_min, 2)
+        check_int("duet_n_max", args.duet_n_max, 2, allow_none=True)
+        check_int("duet_abort_grace", args.duet_abort_grace, 0, allow_none=True)
         if args.duet_n_max is not None and args.duet_n_max > args.num_generations:
             raise ValueError(f"duet_n_max={args.duet_n_max} exceeds num_generations={args.num_generations} (the "
                              "slots per prompt).")
@@ -108,6 +133,7 @@ class Duet(Capability):
             budget=a.duet_budget, slots=trainer.num_generations, n_min=a.duet_n_min, n_max=a.duet_n_max,
             markers=a.duet_markers, keep_prob=a.duet_abort_keep_prob, min_propensity=a.duet_min_propensity,
             max_weight=a.duet_max_weight, seed=a.seed, default_length=float(trainer.max_completion_length),
+            grace=abort_grace(a.duet_abort_grace, trainer.max_completion_length),
         )
         self.batch = None
         self.last_weights = None  # the latest batch's importance weights (global, and this rank's slice)
@@ -176,6 +202,7 @@ class Duet(Capability):
             "duet/rollouts_per_prompt/mean": counts.mean().item(),
             "duet/rollouts_per_prompt/min": counts.min().item(),
             "duet/rollouts_per_prompt/max": counts.max().item(),
+            "duet/prompts_without_rollouts_frac": (plan.counts == 0).double().mean().item(),
         }
         if plan.lam != float("inf"):
             metrics["duet/lambda"] = plan.lam

@@ -37,6 +37,7 @@ class BatchPlan:
     propensity: torch.Tensor  # per prompt
     lam: float
     slots: int
+    inclusion: torch.Tensor | None = None  # per prompt: probability it was given rollouts (1: certainly)
     monitors: list[RolloutMonitor] = field(default_factory=list)  # one per real rollout, prompt by prompt
 
     def real_rows(self) -> list[int]:
@@ -45,13 +46,14 @@ class BatchPlan:
 
 
 class DuetController:
-    def __init__(self, budget: float, slots: int, n_min: int = 1, n_max: int | None = None, markers=("math",),
+    def __init__(self, budget: float, slots: int, n_min: int = 2, n_max: int | None = None, markers=("math",),
                  keep_prob: float = 0.05, min_propensity: float = 0.05, max_weight: float = 1000.0,
-                 seed: int = 0, default_length: float = 64.0, margin_threshold: float = 0.9):
+                 seed: int = 0, default_length: float = 64.0, margin_threshold: float = 0.9, grace: int = 150):
         self.budget = budget
         self.slots = slots
         self.n_min = n_min
         self.n_max = n_max or slots
+        self.grace = grace
         self.detector = MarkerDetector(list(markers))
         self.keep_prob = keep_prob
         self.min_propensity = min_propensity
@@ -81,17 +83,20 @@ class DuetController:
         s, lengths, _, reprobe = self.stats.lookup(keys)
         mean_len = self.stats.cold_length()
         budget = self.budget * len(keys) * self.slots * mean_len
-        counts, lam = allocate_rollouts(s, lengths, budget, self.n_min, self.n_max)
-        if self.n_max >= 2:  # exploration floor: stale warm prompts get a group that can be observed again
-            counts = torch.where(reprobe, counts.clamp(min=2), counts)
-        plan = BatchPlan(keys, counts, propensities(counts, self.min_propensity), lam, self.slots)
+        counts, lam, inclusion = allocate_rollouts(s, lengths, budget, self.n_min, self.n_max, rng=self.rng,
+                                                   min_inclusion=self.min_propensity)
+        # exploration floor: stale warm prompts get a group that can be observed again (with certainty: π = 1)
+        floor = max(2, self.n_min) if self.n_max >= 2 else self.n_min
+        counts = torch.where(reprobe, counts.clamp(min=floor), counts)
+        inclusion = torch.where(reprobe, torch.ones_like(inclusion), inclusion)
+        plan = BatchPlan(keys, counts, propensities(counts, self.min_propensity), lam, self.slots, inclusion)
         # Each rollout's coins are drawn here, in row order, from the controller's stream (a monitor tosses at most
         # two): which rank generates a row, and in which order its tokens arrive, changes no draw, so every rank of a
         # DDP run keeps the same stream and a global batch gets the same coins on any number of ranks.
         plan.monitors = [
             RolloutMonitor(self.detector, self.quantiles.k1, self.quantiles.k2, Coins(self.rng),
                            margin_threshold=self.margin_threshold, keep_prob=self.keep_prob,
-                           trim_skip_prob=self.keep_prob)
+                           trim_skip_prob=self.keep_prob, grace=self.grace)
             for _ in range(int(counts.sum()))
         ]
         return plan
@@ -101,7 +106,8 @@ class DuetController:
         p = plan.propensity.repeat_interleave(plan.counts)
         eps_kept = torch.tensor([m.eps_kept for m in plan.monitors], dtype=torch.bool)
         aborted = torch.tensor([m.aborted for m in plan.monitors], dtype=torch.bool)
-        w = importance_weights(p, eps_kept, self.keep_prob, self.min_propensity, self.max_weight)
+        inclusion = plan.inclusion.repeat_interleave(plan.counts) if plan.inclusion is not None else None
+        w = importance_weights(p, eps_kept, self.keep_prob, self.min_propensity, self.max_weight, inclusion)
         return torch.where(aborted, torch.zeros_like(w), w)
 
     def observe(self, plan: BatchPlan, lengths: list[int], advantages: torch.Tensor, sum_logps: torch.Tensor) -> None:
