@@ -433,6 +433,8 @@ def save_checkpoint(trainer, trial) -> str:
     if buffer is not None:  # every process holds its own
         os.makedirs(tmp, exist_ok=True)
         torch.save(buffer, os.path.join(tmp, _generation_state_file(args)))
+    for capability in trainer.capabilities.values():  # per-process files (e.g. a rank's shard state), staged too
+        capability.save_process_files(trainer, tmp)
     if args.should_save:
         for capability in trainer.capabilities.values():
             state = capability.state_dict()

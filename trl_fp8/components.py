@@ -107,3 +107,7 @@ class Capability:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def save_process_files(self, trainer, folder: str) -> None:
+        """Files *every* process writes into the checkpoint being staged in ``folder`` (e.g. per-rank shard state),
+        before its completion marker; ``state_dict`` is written by the main process only."""

@@ -314,6 +314,8 @@ def run(out: str, name: str) -> int:
         check_zero_against_reference(resumed, again)
         resumed.train(resume_from_checkpoint=os.path.join(out, name, "checkpoint-2"))
         record["resumed"] = again
+        with open(os.path.join(out, name, "checkpoint-2", "trl_fp8_complete.json")) as f:
+            record["checkpoint_files"] = sorted(json.load(f)["files"])  # what the completion marker vouches for
     with open(os.path.join(out, f"{name}.rank{_rank()}.json"), "w") as f:
         json.dump(record, f)
     return status

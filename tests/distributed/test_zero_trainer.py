@@ -97,3 +97,5 @@ def test_duet_plans_the_global_batch_under_zero2(records):
 def test_ef_resumes_exactly_from_each_ranks_state_file(records):
     a, b = records["zero2_ef"]
     assert a["resumed"]["served"] == b["resumed"]["served"] == [a["served"][2]]
+    # every rank's EF state is staged inside the checkpoint before its completion marker, so the marker covers it
+    assert {"fair_cast_state.rank0.pt", "fair_cast_state.rank1.pt"} <= set(a["checkpoint_files"])

@@ -235,6 +235,10 @@ class FairCast(Capability):
                     "rank_folder": os.path.abspath(self.zero._checkpoint_folder(args, step))}
         return self.served.state_dict()
 
+    def save_process_files(self, trainer, folder: str) -> None:
+        if self.zero is not None:  # EF under DeepSpeed: every rank's partitions (their residuals) beside its files
+            self.zero.save_rank_state(folder)
+
     def load_state_dict(self, state: dict) -> None:
         if self.zero is not None or state.get("deepspeed"):
             for key, mine in (("mode", self.mode), ("served_dtype", dtype_name(self.dtype)),

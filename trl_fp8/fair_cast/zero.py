@@ -100,13 +100,13 @@ class ZeroFairCast(TrainerCallback):
         self.export.copy.step = step
         self.export.resync()
 
-    def on_save(self, args, state, control, **kwargs):
-        """Every rank writes its partitions' Fair Cast state into the checkpoint just saved (EF: the residual)."""
+    def save_rank_state(self, folder: str) -> None:
+        """EF: this rank's partitions' Fair Cast state (served values and residual) into the checkpoint being staged,
+        before its completion marker (called by every process from :func:`trl_fp8.checkpoints.save_checkpoint`)."""
         if self.export is None or self.export.copy is None or self.mode != "error_feedback":
             return
-        folder = self._checkpoint_folder(args, state.global_step)
-        if os.path.isdir(folder):
-            save_sharded_state(self.export.copy, folder, distributed.rank(), distributed.world_size())
+        os.makedirs(folder, exist_ok=True)
+        save_sharded_state(self.export.copy, folder, distributed.rank(), distributed.world_size())
 
     @torch.no_grad()
     def _export_again(self, step: int) -> None:
