@@ -1,23 +1,27 @@
-"""DUET's token budget vs full-budget GRPO on the demo task, from the same start and seeds.
+"""DUET's token budget vs full-budget GRPO, on a built-in task, from the same start and seeds.
 
-For each seed (>= 5; default 0-4) and each arm -- GRPO (duet off), DUET β=1.0, DUET β=0.5 -- GRPO trains the
-embedded demo model for `--steps` steps (16 prompts x 8 slots, lr 1e-4, fp32 master and fp32 activations, CPU) on
-a pool of `--pool` problems (prompts recur, so DUET's per-prompt surrogate gets warm); the seed sets the trainer
-seed, the data order and the pool, and is shared by the three arms (paired). Every `--eval-every` steps the
-policy's sampled accuracy (temperature 1) on 256 held-out problems is measured, outside the timed region.
+For each seed (>= 5; default 0-4) and each arm -- GRPO (duet off), DUET β=1.0, β=0.5, β=0.3 -- GRPO trains the task's
+embedded model for `--steps` steps (fp32 master and fp32 activations, CPU, constant lr) on a pool of `--pool`
+problems (prompts recur, so DUET's per-prompt surrogate gets warm); the seed sets the trainer seed, the data order and
+the pool, and is shared by the arms (paired, interleaved per seed). Every `--eval-every` steps the policy's sampled
+accuracy (temperature 1) on held-out problems is measured, outside the timed region.
 
-Per seed and arm: rollout tokens generated and training wall-clock (optimizer steps only) until the held-out
-accuracy first reaches `--target` ("not reached" if it never does within `--steps`), and the final held-out
-accuracy at equal steps. Per arm across seeds: mean ± std (sample std) [min, max], over the seeds that reached
-the target for the to-target figures, over all seeds for the final accuracy. A PNG shows accuracy against rollout
-tokens.
+    --task arithmetic  (default) the demo task: 7-token answers, 16 prompts x 8 slots, 200 steps, target 0.45
+    --task reasoning   chained arithmetic written step by step (~30-155 tokens, longer for harder prompts; rollouts
+                       that lose the thread run to the cap): the task where the marker-gated abort has work to do
 
-    python benchmarks/duet_budget.py [--seeds 0 1 2 3 4] [--steps 200] [--target 0.45] [--output duet_budget.png]
-    python benchmarks/duet_budget.py --quick      # smoke run: 2 seeds x 4 steps, figures not meaningful
+Per seed and arm: rollout tokens generated and training wall-clock (optimizer steps only: generation, scoring and
+the update) until the held-out accuracy first reaches `--target` ("not reached" if it never does within `--steps`),
+the final held-out accuracy at equal steps, the total rollout tokens and how many rollouts the marker gate aborted.
+Per arm across seeds: mean ± std (sample std) [min, max], over the seeds that reached the target for the to-target
+figures, over all seeds otherwise. A PNG shows accuracy against rollout tokens.
+
+    python benchmarks/duet_budget.py [--task reasoning] [--seeds 0 1 2 3 4] [--steps N] [--target ACC]
+    python benchmarks/duet_budget.py --quick [--task reasoning]   # smoke run: 2 seeds x 4 steps, not meaningful
 
 Last line: `duet05_tokens_to_target_over_grpo: <number>` -- per seed, DUET β=0.5's rollout tokens to target over
 GRPO's (same seed), the mean over the seeds where both reached it (goal <= 0.5); its spread and the number of
-seeds excluded are on the line before.
+seeds excluded are on the line before, with the same figure for β=1.0 and β=0.3 and for wall-clock.
 """
 
 from __future__ import annotations
@@ -30,13 +34,20 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-METHODS = {"grpo": {}, "duet_1.0": {"duet": True, "duet_budget": 1.0}, "duet_0.5": {"duet": True, "duet_budget": 0.5}}
+METHODS = {"grpo": {}, "duet_1.0": {"duet": True, "duet_budget": 1.0}, "duet_0.5": {"duet": True, "duet_budget": 0.5},
+           "duet_0.3": {"duet": True, "duet_budget": 0.3}}
+# Per task: prompts per step, slots per prompt, learning rate, steps, problem pool, eval cadence, held-out problems,
+# target accuracy. The reasoning task's rollouts are ~15x longer, so its runs are smaller to fit 20 runs on 2 cores.
+TASKS = {
+    "arithmetic": dict(prompts=16, slots=8, lr=1e-4, steps=200, pool=256, eval_every=10, eval_problems=256,
+                       target=0.45),
+    "reasoning": dict(prompts=8, slots=8, lr=1e-4, steps=60, pool=128, eval_every=5, eval_problems=128,
+                      target=0.45),
+}
 
 
-def _callback(eval_every: int, record: dict):
+def _callback(task, eval_every: int, eval_problems: int, record: dict):
     from transformers import TrainerCallback
-
-    from trl_fp8.demo.model import sampled_accuracy
 
     class Recorder(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -45,7 +56,7 @@ def _callback(eval_every: int, record: dict):
         def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
             record["train_time"] += time.perf_counter() - self.t0
             if state.global_step % eval_every == 0:
-                acc = sampled_accuracy(model, processing_class, num_problems=256, seed=4321)
+                acc = task.accuracy(model, processing_class, num_problems=eval_problems, seed=4321)
                 record["evals"].append((state.global_step, record["tokens"], record["train_time"], acc))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -53,35 +64,41 @@ def _callback(eval_every: int, record: dict):
                 return
             if "duet/tokens" in logs:
                 record["tokens"] += logs["duet/tokens"]
+                groups = args.per_device_train_batch_size // args.num_generations
+                rollouts = logs["duet/rollouts_per_prompt/mean"] * groups
+                record["rollouts"] += rollouts
+                record["aborted"] += logs["duet/abort_frac"] * rollouts
             elif "completions/mean_length" in logs:
                 record["tokens"] += logs["completions/mean_length"] * args.per_device_train_batch_size
+                record["rollouts"] += args.per_device_train_batch_size
 
     return Recorder()
 
 
-def run(method: str, seed: int, steps: int, pool: int, eval_every: int, workdir: str) -> dict:
+def run(method: str, seed: int, task_name: str, settings: dict, workdir: str) -> dict:
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.demo.model import demo_model_path
-    from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+    from trl_fp8.demo.tasks import demo_task
 
+    task = demo_task(task_name)
+    s = settings
     args = trl_fp8.GRPOConfig(
-        output_dir=os.path.join(workdir, f"{method}-{seed}"), use_cpu=True, bf16=False, max_steps=steps,
-        learning_rate=1e-4, lr_scheduler_type="constant", per_device_train_batch_size=128, num_generations=8,
-        max_completion_length=16, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        gradient_checkpointing=False, seed=seed, data_seed=seed, reward_weights=[1.0, 0.2], **METHODS[method],
+        output_dir=os.path.join(workdir, f"{method}-{seed}"), use_cpu=True, bf16=False, max_steps=s["steps"],
+        learning_rate=s["lr"], lr_scheduler_type="constant", per_device_train_batch_size=s["prompts"] * s["slots"],
+        num_generations=s["slots"], max_completion_length=task.max_completion_length, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=seed,
+        data_seed=seed, reward_weights=list(task.reward_weights), duet_markers=list(task.duet_markers),
+        **METHODS[method],
     )
-    record = {"tokens": 0.0, "train_time": 0.0, "evals": []}
+    record = {"tokens": 0.0, "rollouts": 0.0, "aborted": 0.0, "train_time": 0.0, "evals": []}
     trainer = trl_fp8.GRPOTrainer(
-        model=demo_model_path(), reward_funcs=[correctness_reward, format_reward], args=args,
-        train_dataset=make_arithmetic_dataset(pool, seed=100 + seed), callbacks=[_callback(eval_every, record)],
+        model=task.model_path(), reward_funcs=list(task.reward_funcs), args=args,
+        train_dataset=task.make_dataset(s["pool"], seed=100 + seed),
+        callbacks=[_callback(task, s["eval_every"], s["eval_problems"], record)],
     )
     trainer.remove_callback(PrinterCallback)
-    start_acc = None
-    from trl_fp8.demo.model import sampled_accuracy
-
-    start_acc = sampled_accuracy(trainer.model, trainer.processing_class, num_problems=256, seed=4321)
+    start_acc = task.accuracy(trainer.model, trainer.processing_class, num_problems=s["eval_problems"], seed=4321)
     record["evals"].insert(0, (0, 0.0, 0.0, start_acc))
     trainer.train()
     return record
@@ -104,46 +121,61 @@ def first_reaching(evals, target):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=sorted(TASKS), default="arithmetic")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--pool", type=int, default=256, help="distinct training problems (prompts recur)")
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--target", type=float, default=0.45, help="held-out sampled accuracy to reach")
+    parser.add_argument("--steps", type=int, help="default: per task")
+    parser.add_argument("--pool", type=int, help="distinct training problems (prompts recur); default: per task")
+    parser.add_argument("--eval-every", type=int, help="default: per task")
+    parser.add_argument("--target", type=float, help="held-out sampled accuracy to reach; default: per task")
+    parser.add_argument("--arms", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--output", default="duet_budget.png")
     parser.add_argument("--quick", action="store_true", help="smoke run: seeds 0 1, 4 steps (not meaningful)")
     args = parser.parse_args()
+    settings = dict(TASKS[args.task])
+    for key in ("steps", "pool", "eval_every", "target"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
     if args.quick:
-        args.seeds, args.steps, args.eval_every, args.pool = [0, 1], 4, 2, 64
+        args.seeds = [0, 1]
+        settings.update(steps=4, eval_every=2, pool=64, prompts=4, eval_problems=32)
     elif len(args.seeds) < 5:
         parser.error("give at least 5 seeds")
+    if "grpo" not in args.arms:
+        parser.error("--arms must include grpo (the baseline of every ratio)")
+    methods = [m for m in METHODS if m in args.arms]
+    target = settings["target"]
 
-    results = {m: [] for m in METHODS}
+    results = {m: [] for m in methods}
     with tempfile.TemporaryDirectory() as workdir:
         for seed in args.seeds:
-            for method in METHODS:  # interleaved per seed
-                results[method].append(run(method, seed, args.steps, args.pool, args.eval_every, workdir))
-    hits = {m: [first_reaching(r["evals"], args.target) for r in runs] for m, runs in results.items()}
+            for method in methods:  # interleaved per seed
+                results[method].append(run(method, seed, args.task, settings, workdir))
+    hits = {m: [first_reaching(r["evals"], target) for r in runs] for m, runs in results.items()}
 
-    print(f"\ntarget held-out accuracy {args.target} (start {results['grpo'][0]['evals'][0][3]:.3f}); seeds "
-          f"{' '.join(map(str, args.seeds))}; {args.steps} steps; pool {args.pool}; eval every {args.eval_every} "
-          f"steps; fp32 activations; seconds = training wall-clock, 1 thread")
+    print(f"\ntask {args.task}; target held-out accuracy {target} (start {results['grpo'][0]['evals'][0][3]:.3f}); "
+          f"seeds {' '.join(map(str, args.seeds))}; {settings['steps']} steps of {settings['prompts']} prompts x "
+          f"{settings['slots']} slots; lr {settings['lr']:g}; pool {settings['pool']}; eval every "
+          f"{settings['eval_every']} steps on {settings['eval_problems']} held-out problems; fp32 activations; "
+          "seconds = training wall-clock (generation + update), 1 thread")
     print("per seed:")
     print(f"{'method':<10}{'seed':>5}{'tokens to target':>18}{'seconds to target':>19}{'step':>6}{'final acc':>11}"
-          f"{'total tokens':>14}")
+          f"{'total tokens':>14}{'aborted':>9}{'rollouts':>10}")
     for method, runs in results.items():
         for seed, r, h in zip(args.seeds, runs, hits[method]):
             reach = (f"{h[1]:>18.0f}{h[2]:>19.1f}{h[0]:>6}" if h is not None
                      else f"{'not reached':>18}{'not reached':>19}{'-':>6}")
-            print(f"{method:<10}{seed:>5}{reach}{r['evals'][-1][3]:>11.3f}{r['tokens']:>14.0f}")
+            print(f"{method:<10}{seed:>5}{reach}{r['evals'][-1][3]:>11.3f}{r['tokens']:>14.0f}"
+                  f"{r['aborted']:>9.0f}{r['rollouts']:>10.0f}")
 
-    print(f"\nacross seeds: mean ± std [min, max]; to-target figures over the seeds that reached the target")
+    print("\nacross seeds: mean ± std [min, max]; to-target figures over the seeds that reached the target")
     print(f"{'method':<10}{'reached':>8}{'tokens to target':>36}{'seconds to target':>28}{'final acc':>30}"
-          f"{'total tokens':>36}")
+          f"{'total tokens':>36}{'aborted / rollouts':>26}")
     for method, runs in results.items():
         reached = [h for h in hits[method] if h is not None]
+        abort_frac = [r["aborted"] / r["rollouts"] for r in runs if r["rollouts"] > 0]
         print(f"{method:<10}{f'{len(reached)}/{len(runs)}':>8}{spread([h[1] for h in reached], ',.0f'):>36}"
               f"{spread([h[2] for h in reached], '.1f'):>28}{spread([r['evals'][-1][3] for r in runs], '.3f'):>30}"
-              f"{spread([r['tokens'] for r in runs], ',.0f'):>36}")
+              f"{spread([r['tokens'] for r in runs], ',.0f'):>36}{spread(abort_frac, '.3f'):>26}")
 
     import matplotlib
 
@@ -151,13 +183,13 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (method, runs), color in zip(results.items(), ("C0", "C1", "C2")):
+    for (method, runs), color in zip(results.items(), ("C0", "C1", "C2", "C3")):
         for i, r in enumerate(runs):
             ax.plot([e[1] for e in r["evals"]], [e[3] for e in r["evals"]], color=color, alpha=0.7,
                     label=method if i == 0 else None)
-    ax.axhline(args.target, color="grey", ls="--", lw=1)
+    ax.axhline(target, color="grey", ls="--", lw=1)
     ax.set(xlabel="rollout tokens generated", ylabel="held-out sampled accuracy",
-           title=f"DUET vs GRPO (demo task, {len(args.seeds)} seeds)")
+           title=f"DUET vs GRPO ({args.task} task, {len(args.seeds)} seeds)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -165,19 +197,21 @@ def main() -> None:
     print(f"plot: {args.output}")
 
     headline = None
-    for method in ("duet_1.0", "duet_0.5"):
-        ratios, excluded = [], []
-        for seed, h, g in zip(args.seeds, hits[method], hits["grpo"]):
-            if h is not None and g is not None and g[1] > 0:  # both reached, measured nonzero denominator
-                ratios.append(h[1] / g[1])
-            else:
-                missing = [name for name, x in ((method, h), ("grpo", g)) if x is None]
-                excluded.append(f"seed {seed}: " + (f"{' and '.join(missing)} never reached the target" if missing
-                                                    else "grpo reached it at 0 tokens"))
-        why = f"; {len(excluded)} excluded ({'; '.join(excluded)})" if excluded else "; 0 excluded"
-        print(f"{method} / grpo tokens to target, per seed: {', '.join(f'{x:.2f}' for x in ratios) or 'none'}; "
-              f"{spread(ratios, '.2f')} over {len(ratios)} seeds{why}")
-        headline = statistics.mean(ratios) if ratios else None
+    for method in [m for m in methods if m != "grpo"]:
+        for what, index in (("tokens", 1), ("seconds", 2)):
+            ratios, excluded = [], []
+            for seed, h, g in zip(args.seeds, hits[method], hits["grpo"]):
+                if h is not None and g is not None and g[index] > 0:  # both reached, measured nonzero denominator
+                    ratios.append(h[index] / g[index])
+                else:
+                    missing = [name for name, x in ((method, h), ("grpo", g)) if x is None]
+                    excluded.append(f"seed {seed}: " + (f"{' and '.join(missing)} never reached the target"
+                                                        if missing else "grpo reached it at step 0"))
+            why = f"; {len(excluded)} excluded ({'; '.join(excluded)})" if excluded else "; 0 excluded"
+            print(f"{method} / grpo {what} to target, per seed: {', '.join(f'{x:.2f}' for x in ratios) or 'none'}; "
+                  f"{spread(ratios, '.2f')} over {len(ratios)} seeds{why}")
+            if method == "duet_0.5" and what == "tokens":
+                headline = statistics.mean(ratios) if ratios else None
     print(f"duet05_tokens_to_target_over_grpo: {headline:.2f}" if headline is not None
           else "duet05_tokens_to_target_over_grpo: n/a")
 

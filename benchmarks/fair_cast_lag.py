@@ -1,17 +1,22 @@
-"""How far the served bf16 copy lags the fp32 master, per Fair Cast export rule, in a realistic RL setting.
+"""How far the served bf16 copy lags the fp32 master, per Fair Cast export rule, in a realistic RL setting -- and
+whether the lag hurts learning.
 
-For each seed (>= 3; default 0 1 2) and each mode -- rtn, stochastic, error_feedback -- GRPO on the demo task
-(embedded demo model, fp32 master and fp32 activations, CPU, 64 rows = 8 prompts x 8 generations per step) with
-AdamW at lr 1e-6 (constant) runs `--steps` steps from the same start; the seed sets the trainer seed, the data
-order and the training problems, and is shared by the three modes (paired). Each step logs
+For each seed (>= 3; default 0 1 2) and each mode -- rtn, stochastic, error_feedback -- GRPO on a built-in task
+(`--task arithmetic`: the demo task, 8 prompts x 8 generations per step; `--task reasoning`: chained arithmetic
+written step by step, ~30-155-token completions, 8 prompts x 4 generations per step) with the task's embedded model,
+fp32 master and fp32 activations, CPU, AdamW at `--lr` (constant; default 1e-6) runs `--steps` steps from the same
+start; the seed sets the trainer seed, the data order and the training problems, and is shared by the three modes
+(paired). Every mode generates with the served copy (Fair Cast's twin), so the rollouts see the lag. Each step logs
 `fair_cast/lag_steps` (<w - q, u> / |u|^2 along the EMA u of the master's per-step update, on a fixed
 65k-element subset; signed) and `fair_cast/visible_update_frac` (fraction of served elements changed by the export).
 
 Per run: signed lag = mean of the per-step lag_steps; |lag| = mean of the per-step |lag_steps|; both over all
-steps and over the last 20; visible fraction = mean over all steps. Across seeds each figure is given as
-mean ± std (sample std) [min, max].
+steps and over the last 20; visible fraction = mean over all steps; the training reward (correctness, sampled) per
+step, its mean over the last 20 steps, and the held-out sampled accuracy after the last step. Across seeds each
+figure is given as mean ± std (sample std) [min, max]. The PNG shows the lag, the visible fraction and the reward
+curves side by side.
 
-    python benchmarks/fair_cast_lag.py [--seeds 0 1 2] [--steps 120] [--lr 1e-6] [--output fair_cast_lag.png]
+    python benchmarks/fair_cast_lag.py [--task reasoning] [--seeds 0 1 2] [--steps N] [--lr 1e-6] [--output F.png]
     python benchmarks/fair_cast_lag.py --quick      # smoke run: 2 seeds x 6 steps, figures not meaningful
 
 Prints the per-seed figures, the across-seed table and saves a PNG of the lag curves. Last line:
@@ -31,36 +36,49 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODES = ("rtn", "stochastic", "error_feedback")
 LAST = 20
+REWARD = "rewards/correctness_reward/mean"
+# Per task: prompts per step, generations per prompt, default steps (and the least allowed), held-out problems.
+TASKS = {
+    "arithmetic": dict(prompts=8, slots=8, steps=120, min_steps=100, eval_problems=256),
+    "reasoning": dict(prompts=8, slots=4, steps=60, min_steps=40, eval_problems=128),
+}
 
 
-def run_mode(mode: str, steps: int, lr: float, workdir: str, seed: int = 0) -> list[dict]:
+def run_mode(mode: str, steps: int, lr: float, workdir: str, seed: int = 0, task_name: str = "arithmetic",
+             settings: dict | None = None) -> tuple[list[dict], float]:
+    """The per-step log records of one run, and the held-out sampled accuracy after it."""
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.demo.model import demo_model_path
-    from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+    from trl_fp8.demo.tasks import demo_task
 
+    task = demo_task(task_name)
+    s = settings or TASKS[task_name]
     args = trl_fp8.GRPOConfig(
         output_dir=os.path.join(workdir, f"{mode}-{seed}"), use_cpu=True, bf16=False, max_steps=steps,
-        learning_rate=lr, lr_scheduler_type="constant", optim="adamw_torch", per_device_train_batch_size=64,
-        num_generations=8, max_completion_length=16, logging_steps=1, save_strategy="no", report_to="none",
+        learning_rate=lr, lr_scheduler_type="constant", optim="adamw_torch",
+        per_device_train_batch_size=s["prompts"] * s["slots"], num_generations=s["slots"],
+        max_completion_length=task.max_completion_length, logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, gradient_checkpointing=False, seed=seed, data_seed=seed, fair_cast=mode,
-        reward_weights=[1.0, 0.2],
+        reward_weights=list(task.reward_weights),
     )
-    trainer = trl_fp8.GRPOTrainer(model=demo_model_path(), reward_funcs=[correctness_reward, format_reward],
-                                  args=args, train_dataset=make_arithmetic_dataset(4000, seed=seed))
+    trainer = trl_fp8.GRPOTrainer(model=task.model_path(), reward_funcs=list(task.reward_funcs),
+                                  args=args, train_dataset=task.make_dataset(4000, seed=seed))
     trainer.remove_callback(PrinterCallback)
     trainer.train()
-    return [r for r in trainer.state.log_history if "fair_cast/visible_update_frac" in r]
+    accuracy = task.accuracy(trainer.model, trainer.processing_class, num_problems=s["eval_problems"], seed=4321)
+    return [r for r in trainer.state.log_history if "fair_cast/visible_update_frac" in r], accuracy
 
 
 def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def figures(recs: list[dict], last: int) -> dict:
+def figures(recs: list[dict], last: int, accuracy: float = float("nan")) -> dict:
     lag = [r["fair_cast/lag_steps"] for r in recs if r.get("fair_cast/lag_steps") is not None]
+    reward = [r[REWARD] for r in recs if r.get(REWARD) is not None]
     return {
+        "reward_last": _mean(reward[-last:]), "heldout_acc": accuracy,
         "lag_all": _mean(lag), "abs_lag_all": _mean([abs(x) for x in lag]),
         "lag_last": _mean(lag[-last:]), "abs_lag_last": _mean([abs(x) for x in lag[-last:]]),
         "visible": _mean([r["fair_cast/visible_update_frac"] for r in recs]),
@@ -77,36 +95,48 @@ def spread(xs: list[float], fmt: str) -> str:
 
 COLUMNS = (("lag_all", "signed lag, all", ".2f"), ("abs_lag_all", "|lag|, all", ".2f"),
            ("lag_last", "signed lag, last 20", ".2f"), ("abs_lag_last", "|lag|, last 20", ".2f"),
-           ("visible", "visible frac", ".4f"))
+           ("visible", "visible frac", ".4f"), ("reward_last", "reward, last 20", ".3f"),
+           ("heldout_acc", "held-out acc", ".3f"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=sorted(TASKS), default="arithmetic")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, help="default: per task (arithmetic 120, reasoning 60)")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--output", default="fair_cast_lag.png")
     parser.add_argument("--quick", action="store_true", help="smoke run: seeds 0 1, 6 steps (not meaningful)")
     args = parser.parse_args()
+    settings = dict(TASKS[args.task])
+    steps = args.steps if args.steps is not None else settings["steps"]
     last = LAST
     if args.quick:
-        args.seeds, args.steps, last = [0, 1], 6, 3
-    elif args.steps < 100:
-        parser.error("--steps must be >= 100")
+        args.seeds, steps, last = [0, 1], 6, 3
+        settings.update(prompts=2, eval_problems=16)
+    elif steps < settings["min_steps"]:
+        parser.error(f"--steps must be >= {settings['min_steps']} for --task {args.task}")
     elif len(args.seeds) < 3:
         parser.error("give at least 3 seeds")
 
     curves = {mode: [] for mode in MODES}
+    accuracies = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as workdir:
         for seed in args.seeds:
             for mode in MODES:  # interleaved per seed
-                curves[mode].append(run_mode(mode, args.steps, args.lr, workdir, seed))
+                recs, acc = run_mode(mode, steps, args.lr, workdir, seed, args.task, settings)
+                curves[mode].append(recs)
+                accuracies[mode].append(acc)
 
-    results = {mode: [figures(recs, last) for recs in runs] for mode, runs in curves.items()}
+    results = {mode: [figures(recs, last, acc) for recs, acc in zip(runs, accuracies[mode])]
+               for mode, runs in curves.items()}
     label = f"last {last}"
-    print(f"\nFair Cast lag: demo model/task, fp32 master, AdamW lr {args.lr:g} constant, {args.steps} steps, "
-          f"64 rows/step, seeds {' '.join(map(str, args.seeds))}; lag in steps along the EMA update direction "
-          f"(signed: mean of per-step values; |lag|: mean of per-step absolute values)")
+    rows = settings["prompts"] * settings["slots"]
+    print(f"\nFair Cast lag: {args.task} task, fp32 master, AdamW lr {args.lr:g} constant, {steps} steps, "
+          f"{rows} rows/step, seeds {' '.join(map(str, args.seeds))}; lag in steps along the EMA update direction "
+          f"(signed: mean of per-step values; |lag|: mean of per-step absolute values); reward = sampled "
+          f"correctness on the training batch; held-out acc = sampled, {settings['eval_problems']} problems, after "
+          "the last step")
     print("per seed:")
     print(f"{'mode':<16}{'seed':>5}" + "".join(f"{name.replace('last 20', label):>22}" for _, name, _ in COLUMNS)
           + f"{'max err ulps':>14}")
@@ -124,15 +154,17 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
     for (mode, runs), color in zip(curves.items(), ("C0", "C1", "C2")):
         for i, recs in enumerate(runs):
             kw = dict(color=color, alpha=0.6, lw=1, label=mode if i == 0 else None)
             ax1.plot([r["step"] for r in recs], [r.get("fair_cast/lag_steps") for r in recs], **kw)
             ax2.plot([r["step"] for r in recs], [r["fair_cast/visible_update_frac"] for r in recs], **kw)
+            ax3.plot([r["step"] for r in recs], [r.get(REWARD) for r in recs], **kw)
     ax1.set(title=f"served-copy lag (steps, signed), AdamW lr {args.lr:g}, {len(args.seeds)} seeds", xlabel="step")
     ax2.set(title="fraction of served weights changed per export", xlabel="step", yscale="log")
-    for ax in (ax1, ax2):
+    ax3.set(title=f"training reward (sampled correctness), {args.task} task", xlabel="step")
+    for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

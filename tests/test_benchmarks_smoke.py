@@ -14,13 +14,16 @@ WITH_PLOT = {"fair_cast_lag.py", "duet_budget.py"}  # scripts that also write a 
     ("mxfp8_consistency.py", "mxfp8_matched_gap_bf16act:", ()),
     ("fair_cast_lag.py", "rtn_lag_over_sr_lag:", ()),
     ("duet_budget.py", "duet05_tokens_to_target_over_grpo:", ()),
+    ("duet_budget.py --task reasoning", "duet05_tokens_to_target_over_grpo:",
+     ("task reasoning;", "duet_0.3 / grpo tokens to target", "aborted / rollouts")),
     ("checkpoint_save.py", "atomic_save_over_trl:", ("checkpoint size:", "trl_fp8  save: median")),
     ("qlora_speed.py", "qlora_step_ratio_vs_lora16:",
      ("(b) QLoRA (TRL today)", "generation time, speed-up (b)/(c):", "dequantizations per step (b)/(c):",
       "losses identical True, adapter weights after the steps identical True", "greedy completions identical")),
 ])
 def test_benchmark_quick_mode(tmp_path, script, headline, expected):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"]
+    script, *extra = script.split()
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", *extra]
     if script in WITH_PLOT:
         cmd += ["--output", str(tmp_path / "plot.png")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
