@@ -19,6 +19,7 @@ FINGERPRINTS = {
     "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": "2d382cc98ed2cf89",
     "trl.generation.vllm_generation.VLLMGeneration.sync_weights": "853d90c2502df41c",
     "trl.generation.vllm_generation.VLLMGeneration._init_vllm": "89e22930922d1fc5",
+    "trl.generation.vllm_generation.VLLMGeneration.generate": "d938ebcbfbc5bcd9",
     "transformers.trainer.Trainer._maybe_log_save_evaluate": "601752c0cc87e581",
     "trl.trainer.utils.RepeatSampler.__iter__": "704f9ff00e675174",
     "transformers.trainer.Trainer._save_checkpoint": "125450cf16a80a9f",
@@ -131,3 +132,21 @@ def test_patched_module_globals_exist():
         except (ImportError, AttributeError):
             moved.append(f"{module} has no {attr}")
     assert not moved, moved
+
+
+def test_the_vllm_engine_calls_of_duet_exist():
+    # trl_fp8.duet.vllm steps a colocated engine itself (through _trl.vllm_add_request / vllm_step / vllm_abort and
+    # vllm_delta_params); the real-engine tests (tests/duet/test_vllm.py) run them
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    moved = []
+    for name, expected in {"add_request": ("self", "request_id", "prompt", "params"), "step": ("self",),
+                           "abort_request": ("self", "request_ids")}.items():
+        params = tuple(inspect.signature(getattr(LLMEngine, name)).parameters)[:len(expected)]
+        if params != expected:
+            moved.append(f"LLMEngine.{name}{params} (expected {expected})")
+    assert not moved, moved
+    assert SamplingParams(n=1, logprobs=2, output_kind=RequestOutputKind.DELTA).output_kind is RequestOutputKind.DELTA

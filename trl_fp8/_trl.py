@@ -52,12 +52,23 @@ TRAINER_ATTRIBUTES = (
     "use_adaptive_entropy", "entropy_coef", "_last_world_entropy", "num_iterations", "_step", "_buffered_inputs",
 )
 # ... and those set only with use_vllm=True (on the trainer, then on its VLLMGeneration).
-VLLM_ATTRIBUTES = {"GRPOTrainer": ("vllm_generation",), "VLLMGeneration": ("mode", "llm", "vllm_client", "accelerator")}
+VLLM_ATTRIBUTES = {
+    "GRPOTrainer": ("vllm_generation",),
+    "VLLMGeneration": ("mode", "llm", "vllm_client", "accelerator",
+                       # DUET's requests are built with TRL's sampling settings (vllm_sampling_kwargs)
+                       "repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_completion_length",
+                       "logprobs", "generation_kwargs", "structured_outputs_regex"),
+}
 # TRL code whose internals trl_fp8 depends on (not just its signature) -> why. The contract test hashes each.
 MIRRORED = {
     "trl.trainer.grpo_trainer.GRPOTrainer._generate_single_turn":
         "generation runs model_wrapped.generate(**inputs, generation_config=...) through "
-        "unwrap_model_for_generation: the swapped model and the injected processors/criteria reach it",
+        "unwrap_model_for_generation: the swapped model and the injected processors/criteria reach it; the vLLM "
+        "branch syncs weights, then calls self.vllm_generation.generate(prompts=, images=, num_generations=, "
+        "profiler=) and keeps lp[0] of each token's logprobs (replacing_vllm_generate answers that call for DUET)",
+    "trl.generation.vllm_generation.VLLMGeneration.generate":
+        "colocate builds SamplingParams from n=1, repetition_penalty, temperature, top_p, top_k, min_p, max_tokens, "
+        "logprobs, then generation_kwargs, then structured outputs (vllm_sampling_kwargs mirrors it for DUET)",
     "trl.trainer.grpo_trainer.GRPOTrainer._compute_loss":
         "its first _get_per_token_logps_and_entropies call is the policy's forward on the batch",
     "trl.trainer.grpo_trainer.GRPOTrainer.log": "averages and clears self._metrics[mode] (our metrics sink)",
@@ -333,6 +344,74 @@ def vllm_engine_dtype(generation) -> str | None:
     if generation.accelerator.is_main_process:
         return dtype_name(generation.vllm_client.get_server_info()["model_config"]["dtype"])
     return None
+
+
+@contextlib.contextmanager
+def replacing_vllm_generate(generation, generate):
+    """While active, TRL's ``generation.generate`` (what the vLLM branch of ``_generate_single_turn`` calls, after its
+    weight sync) is ``generate(prompts, images, num_generations)`` on this instance, returning ``(completion_ids,
+    logprobs)`` with one sampling logprob (or None: not available) per completion token. Adapted here to TRL's
+    ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)`` with ``(rows, tokens, 1)`` logprobs: the branch keeps
+    ``lp[0]`` of each token, and maps None to NaN (no importance-sampling correction on that token)."""
+
+    def replaced(prompts, images, num_generations, profiler=None):
+        with profiler or contextlib.nullcontext():
+            completion_ids, logprobs = generate(prompts, images, num_generations)
+        if logprobs is not None:
+            logprobs = [[[lp] for lp in row] for row in logprobs]
+        return prompts, completion_ids, logprobs, None
+
+    generation.generate = replaced
+    try:
+        yield
+    finally:
+        del generation.generate
+
+
+def vllm_sampling_kwargs(generation) -> dict:
+    """The ``SamplingParams`` keyword arguments TRL's colocate ``generate`` builds (sampling settings, then the
+    user's ``generation_kwargs``, then structured outputs), as a dict to adjust."""
+    kwargs = {"n": 1, "repetition_penalty": generation.repetition_penalty, "temperature": generation.temperature,
+              "top_p": generation.top_p, "top_k": generation.top_k,
+              "min_p": 0.0 if generation.min_p is None else generation.min_p,
+              "max_tokens": generation.max_completion_length, "logprobs": generation.logprobs}
+    kwargs.update(generation.generation_kwargs)
+    if generation.structured_outputs_regex is not None or isinstance(kwargs.get("structured_outputs"), dict):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        if generation.structured_outputs_regex is not None:
+            kwargs["structured_outputs"] = StructuredOutputsParams(regex=generation.structured_outputs_regex)
+        else:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+    return kwargs
+
+
+def vllm_delta_params(kwargs: dict, logprobs: int):
+    """``SamplingParams(**kwargs)`` for one rollout per request (``n=1``) that streams each step's new tokens
+    (``RequestOutputKind.DELTA``) with at least ``logprobs`` top logprobs besides the sampled token's."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kwargs = {**kwargs, "n": 1, "logprobs": max(logprobs, kwargs.get("logprobs") or 0),
+              "output_kind": RequestOutputKind.DELTA}
+    return SamplingParams(**kwargs)
+
+
+def vllm_add_request(llm, request_id: str, prompt_ids: list[int], params) -> None:
+    """Queue one request on a colocated engine without running it (``LLM.generate`` would run every request to
+    the end, and forces final-only outputs)."""
+    llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+
+
+def vllm_step(llm) -> list:
+    """One engine step: the ``RequestOutput`` of every request that produced something."""
+    return llm.llm_engine.step()
+
+
+def vllm_abort(llm, request_ids: list[str]) -> None:
+    """Abort requests (by the ids they were added with) between two steps: they generate nothing more."""
+    if request_ids:
+        llm.llm_engine.abort_request(list(request_ids))
 
 
 # -- vLLM engine internals (colocate) -----------------------------------------------------------------------------

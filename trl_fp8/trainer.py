@@ -4,7 +4,7 @@ The trainer is the composer only: it holds the ordered list of the capabilities 
 (:data:`trl_fp8.capabilities.CAPABILITIES`) and calls their hooks (:class:`trl_fp8.components.Capability`) at
 fixed points of TRL's step. Where capabilities must compose, the order is written here, once: Fair Cast's twin is
 the model generation runs with (synced, with the checks observing the sync), DUET replaces the in-process
-generation path, the checks record the sampler's logprobs on the way. Every TRL-private name it touches goes
+generation path (with vLLM: the engine call of TRL's path, after TRL's own sync), the checks record the sampler's logprobs on the way. Every TRL-private name it touches goes
 through :mod:`trl_fp8._trl`. With every trl_fp8 field of :class:`trl_fp8.GRPOConfig` at its default the list is
 empty and training is TRL's, step for step (``tests/test_trainer.py`` proves it bit for bit on CPU).
 """
@@ -12,6 +12,7 @@ empty and training is TRL's, step for step (``tests/test_trainer.py`` proves it 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +95,15 @@ class GRPOTrainer(_TRLGRPOTrainer):
         return fair_cast.sampler.model
 
     # Mirrors trl 1.16 GRPOTrainer._generate_single_turn: vLLM and continuous batching are TRL's paths (Fair Cast's
-    # stream and the checks are wired into TRL's sync); the in-process path runs in this order.
+    # stream and the checks are wired into TRL's sync; with DUET, TRL's vLLM branch runs as it is, its engine call
+    # answered by DUET's step loop); the in-process path runs in this order.
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        duet = self.capability("duet")
+        if self.use_vllm and duet is not None and self.model.training:  # DUET on the engine, after TRL's sync
+            generate = functools.partial(duet.generate_vllm, self)
+            with _trl.replacing_vllm_generate(self.vllm_generation, generate):
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
         if self.use_vllm or self.use_transformers_continuous_batching or not self.capabilities:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
@@ -104,7 +112,6 @@ class GRPOTrainer(_TRLGRPOTrainer):
         with contextlib.ExitStack() as stack:
             for c in caps:
                 stack.enter_context(c.generating(self))
-            duet = self.capability("duet")
             if duet is not None and self.model.training:  # 2. DUET replaces the path
                 return duet.generate(self, prompt_ids, images, multimodal_fields, num_generations, model)
             processors = [p for c in caps for p in c.logits_processors(self)]  # 3. the checks' logprob tap

@@ -119,7 +119,7 @@ def test_stopped_rows_generate_no_more_tokens(tiny_model_dir):
         ({"duet_abort_keep_prob": 0.0}, "duet_abort_keep_prob must be in \\(0, 1\\]"),
         ({"duet_min_propensity": 2.0}, "duet_min_propensity must be in \\(0, 1\\]"),
         ({"duet_max_weight": 0.5}, "duet_max_weight must be >= 1"),
-        ({"use_vllm": True}, "in-process sampler only"),
+        ({"use_vllm": True, "vllm_mode": "server"}, "needs vllm_mode=.colocate."),
     ],
 )
 def test_config_validation(tmp_path, overrides, message):

@@ -14,6 +14,7 @@ from ..components import Capability, check_fraction, check_int
 from .controller import DuetController
 from .markers import compile_markers
 from .sampling import DuetStoppingCriteria
+from .vllm import engine_rollouts
 
 
 @dataclass
@@ -116,8 +117,16 @@ class Duet(Capability):
             raise ValueError(f"duet_max_weight must be >= 1, got {args.duet_max_weight!r}.")
         if not args.duet:
             return
-        if args.use_vllm:
-            raise ValueError("duet=True is supported with trl_fp8's in-process sampler only, not use_vllm=True yet.")
+        if args.use_vllm:  # DUET steps the engine itself (trl_fp8.duet.vllm): it must live in this process
+            if args.vllm_mode != "colocate":
+                raise ValueError(f"duet=True with use_vllm=True needs vllm_mode='colocate' (got vllm_mode="
+                                 f"{args.vllm_mode!r}): DUET stops rollouts inside the engine by stepping it itself, "
+                                 "and a server's engine runs in another process. Colocate mode is supported.")
+            if args.vllm_tensor_parallel_size != 1:
+                raise ValueError(f"duet=True with use_vllm=True needs vllm_tensor_parallel_size=1 (got "
+                                 f"{args.vllm_tensor_parallel_size}): each rank generates its own planned rollouts.")
+            if args.vllm_enable_sleep_mode:
+                raise ValueError("duet=True with use_vllm=True cannot run with vllm_enable_sleep_mode=True yet.")
         if args.use_transformers_continuous_batching:
             raise ValueError("duet=True cannot be combined with use_transformers_continuous_batching=True.")
         beams = (args.generation_kwargs or {}).get("num_beams", 1) if isinstance(args.generation_kwargs, dict) else 1
@@ -149,15 +158,48 @@ class Duet(Capability):
     # -- generation: DUET replaces the path --------------------------------------------------------------------
     def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, model=None):
         """Generate only the planned rollouts (with the early-stop rule) through TRL's own transformers path, with
-        ``model`` (e.g. Fair Cast's twin) instead of the learner when given. Unplanned slots get a 1-token
-        placeholder: reward None, loss mask 0 (see :meth:`adjust_rewards`, :meth:`adjust_batch`).
+        ``model`` (e.g. Fair Cast's twin) instead of the learner when given. See :meth:`planned_generation`."""
+        if images is not None or multimodal_fields:
+            raise ValueError("duet=True supports text prompts only.")
+
+        def rows(prompts, monitors):
+            criterion = DuetStoppingCriteria(monitors, trainer._tokenizer, trainer.eos_token_ids)
+            with _trl.generating_with(trainer, model, [criterion.scores_tap], [criterion]):
+                generated, _ = _trl.trl_generate(trainer, prompts, images, multimodal_fields, num_generations)
+            return [(ids[:stop_at] if stop_at is not None else ids, float(criterion.sum_logps[j]), None)
+                    for j, (ids, stop_at) in enumerate(zip(generated, criterion.stop_at, strict=True))]
+
+        completion_ids, _ = self.planned_generation(trainer, prompt_ids, num_generations, rows, logprobs=False)
+        return completion_ids, None
+
+    def generate_vllm(self, trainer, prompt_ids, images, num_generations):
+        """Generate only the planned rollouts on TRL's colocated vLLM engine (already synced by TRL): one ``n=1``
+        request per planned rollout with TRL's sampling settings, stopped inside the engine by the early-stop rule
+        (:func:`trl_fp8.duet.vllm.engine_rollouts`). Returns ``(completion_ids, logprobs)``: each kept token's
+        processed sampling logprob, and None for a placeholder's token (no importance-sampling correction there; its
+        loss mask is zeroed anyway). See :meth:`planned_generation`."""
+        if images is not None and any(image is not None for image in images):
+            raise ValueError("duet=True supports text prompts only.")
+        generation = trainer.vllm_generation
+        params = _trl.vllm_delta_params(_trl.vllm_sampling_kwargs(generation), logprobs=2)
+
+        def rows(prompts, monitors):
+            rollouts = engine_rollouts(generation.llm, prompts, monitors, params, trainer._tokenizer,
+                                       trainer.eos_token_ids)
+            return [(r.completion_ids, r.sum_logp, r.logprobs) for r in rollouts]
+
+        return self.planned_generation(trainer, prompt_ids, num_generations, rows, logprobs=True)
+
+    def planned_generation(self, trainer, prompt_ids, slots, rows, logprobs: bool):
+        """Plan the batch, generate this rank's planned rollouts with ``rows(prompts, monitors) -> [(completion_ids,
+        Σ log π, per-token logprobs or None)]``, fill unplanned slots with a 1-token placeholder (reward None, loss
+        mask 0: see :meth:`adjust_rewards`, :meth:`adjust_batch`), record the outcomes and the ``duet/*`` metrics.
+        Returns ``(completion_ids, logprobs)`` for this rank's slots (with ``logprobs``: per token, a placeholder's
+        one token None; else None).
 
         With many processes (DDP) the plan is made for the *global* batch (every rank's prompts, gathered in rank
         order as TRL gathers rewards), identically on every rank; each rank generates its own planned rows, and the
         outcomes (lengths, aborts, Σ log π) are gathered so every rank learns and weights the same way."""
-        if images is not None or multimodal_fields:
-            raise ValueError("duet=True supports text prompts only.")
-        slots = num_generations
         everyone = distributed.gather_objects([list(p) for p in prompt_ids])  # [prompt_ids] on one process
         start = sum(len(part) for part in everyone[:distributed.rank()])
         stop = start + len(prompt_ids)
@@ -168,37 +210,33 @@ class Duet(Capability):
         keys = [hashlib.sha1(repr(list(all_ids[g * slots])).encode()).hexdigest() for g in range(groups)]
         full_length = self.controller.stats.cold_length()
         plan = self.controller.plan(keys)
-        rows = plan.real_rows()  # global rows
-        mine = [i for i, r in enumerate(rows) if start <= r < stop]
+        planned = plan.real_rows()  # global rows
+        mine = [i for i, r in enumerate(planned) if start <= r < stop]
         monitors = [plan.monitors[i] for i in mine]
-        criterion = DuetStoppingCriteria(monitors, trainer._tokenizer, trainer.eos_token_ids)
-        completions = []
-        if mine:  # a rank whose slots are all unplanned generates nothing
-            with _trl.generating_with(trainer, model, [criterion.scores_tap], [criterion]):
-                generated, _ = _trl.trl_generate(trainer, [all_ids[rows[i]] for i in mine], images,
-                                                 multimodal_fields, num_generations)
-            completions = [ids[:stop_at] if stop_at is not None else ids
-                           for ids, stop_at in zip(generated, criterion.stop_at, strict=True)]
+        generated = rows([all_ids[planned[i]] for i in mine], monitors) if mine else []  # a rank may have none
         placeholder = [trainer.eos_token_ids[0]]
         completion_ids = [placeholder] * len(prompt_ids)
-        for i, ids in zip(mine, completions, strict=True):
-            completion_ids[rows[i] - start] = ids
-        local = [(i, len(ids), m.aborted, m.eps_kept, float(criterion.sum_logps[j]))
-                 for j, (i, ids, m) in enumerate(zip(mine, completions, monitors, strict=True))]
-        lengths = [0] * len(rows)
-        sum_logps = torch.zeros(len(rows), dtype=torch.float64)
+        token_logps = [[None]] * len(prompt_ids) if logprobs else None
+        for i, (ids, _, lps) in zip(mine, generated, strict=True):
+            completion_ids[planned[i] - start] = ids
+            if logprobs:
+                token_logps[planned[i] - start] = lps
+        local = [(i, len(ids), m.aborted, m.eps_kept, sum_logp)
+                 for i, (ids, sum_logp, _), m in zip(mine, generated, monitors, strict=True)]
+        lengths = [0] * len(planned)
+        sum_logps = torch.zeros(len(planned), dtype=torch.float64)
         for part in distributed.gather_objects(local):  # every rank's outcomes: the global batch
             for i, length, aborted, eps_kept, sum_logp in part:
                 lengths[i], sum_logps[i] = length, sum_logp
                 plan.monitors[i].aborted, plan.monitors[i].eps_kept = aborted, eps_kept
-        self.batch = {"plan": plan, "rows": rows, "lengths": lengths, "sum_logps": sum_logps, "start": start,
+        self.batch = {"plan": plan, "rows": planned, "lengths": lengths, "sum_logps": sum_logps, "start": start,
                       "stop": stop}
         aborted = sum(m.aborted for m in plan.monitors)
         counts = plan.counts.double()
         metrics = {  # of the global batch: the same on every rank, recorded once
             "duet/tokens": float(sum(lengths)),
             "duet/tokens_saved_frac": 1.0 - sum(lengths) / (len(all_ids) * full_length),
-            "duet/abort_frac": aborted / max(1, len(rows)),
+            "duet/abort_frac": aborted / max(1, len(planned)),
             "duet/rollouts_per_prompt/mean": counts.mean().item(),
             "duet/rollouts_per_prompt/min": counts.min().item(),
             "duet/rollouts_per_prompt/max": counts.max().item(),
@@ -208,7 +246,7 @@ class Duet(Capability):
             metrics["duet/lambda"] = plan.lam
         for name, value in metrics.items():
             _trl.record_metric(trainer, name, value)
-        return completion_ids, None
+        return completion_ids, token_logps
 
     # -- batch ---------------------------------------------------------------------------------------------------
     def _excluded_rows(self, total: int) -> torch.Tensor:
