@@ -361,11 +361,15 @@ def replacing_vllm_generate(generation, generate):
             logprobs = [[[lp] for lp in row] for row in logprobs]
         return prompts, completion_ids, logprobs, None
 
+    own = vars(generation).get("generate")  # an instance-level generate set by someone else comes back after
     generation.generate = replaced
     try:
         yield
     finally:
-        del generation.generate
+        if own is None:
+            del generation.generate
+        else:
+            generation.generate = own
 
 
 def vllm_sampling_kwargs(generation) -> dict:
