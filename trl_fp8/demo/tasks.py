@@ -1,0 +1,86 @@
+"""The built-in demo tasks by name: dataset, rewards, embedded model and demo defaults of each.
+
+Benchmarks and ``trl-fp8 demo --task NAME`` pick a task with :func:`demo_task`:
+
+- ``arithmetic``: ``"37+45="`` -> ``"\\boxed{82}"`` (7 tokens), on the 2-layer demo model. Fast: the default.
+- ``reasoning``: chained single-digit arithmetic written out step by step (~30-155 tokens, longer for more terms)
+  then ``\\boxed{answer}``, on the 4-layer reasoning model. Rollout lengths vary widely and some sampled rollouts
+  lose the thread and run to the cap: the task on which DUET's token-budget claims can be tested.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """One built-in task. ``make_dataset(num_samples, seed)`` -> ``datasets.Dataset`` with ``prompt`` and ``answer``;
+    ``reward_funcs`` take TRL's reward signature and are weighted by ``reward_weights``; ``model_path()`` is the
+    folder of the embedded model warmed up on the task; ``accuracy(model, tokenizer, num_problems, seed,
+    temperature)`` is the held-out accuracy of one completion per problem (``temperature=None``: greedy)."""
+
+    name: str
+    description: str
+    make_dataset: Callable
+    reward_funcs: tuple[Callable, ...]
+    reward_weights: tuple[float, ...]
+    model_path: Callable[[], str]
+    max_completion_length: int
+    accuracy: Callable
+    duet_markers: tuple[str, ...] = ("math",)
+    # defaults of `trl-fp8 demo --task NAME` (sized so that the run takes a few minutes on 2 CPU cores)
+    demo_max_steps: int = 300
+    demo_prompts_per_step: int = 16
+    demo_duet_budget: float | None = None  # None: DUET off unless asked for
+
+
+def _arithmetic() -> DemoTask:
+    from ..tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+    from .model import demo_model_path, sampled_accuracy
+
+    def accuracy(model, tokenizer, num_problems: int = 256, seed: int = 1234, temperature: float | None = 1.0):
+        return sampled_accuracy(model, tokenizer, num_problems=num_problems, seed=seed, temperature=temperature)
+
+    return DemoTask(
+        name="arithmetic",
+        description="two-operand addition answered as \\boxed{sum} (7 tokens); the 2-layer demo model",
+        make_dataset=lambda num_samples=2000, seed=0: make_arithmetic_dataset(num_samples, seed=seed),
+        reward_funcs=(correctness_reward, format_reward),
+        reward_weights=(1.0, 0.2),
+        model_path=demo_model_path,
+        max_completion_length=16,
+        accuracy=accuracy,
+    )
+
+
+def _reasoning() -> DemoTask:
+    from ..tasks.reasoning import correctness_reward, format_reward, make_reasoning_dataset
+    from .reasoning_model import MAX_COMPLETION_LENGTH, reasoning_accuracy, reasoning_model_path
+
+    return DemoTask(
+        name="reasoning",
+        description="chained single-digit arithmetic written step by step, then \\boxed{answer} (~30-155 tokens); "
+                    "the 4-layer reasoning model",
+        make_dataset=lambda num_samples=2000, seed=0: make_reasoning_dataset(num_samples, seed=seed),
+        reward_funcs=(correctness_reward, format_reward),
+        reward_weights=(1.0, 0.2),
+        model_path=reasoning_model_path,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        accuracy=reasoning_accuracy,
+        demo_max_steps=30,
+        demo_prompts_per_step=8,
+        demo_duet_budget=0.5,
+    )
+
+
+_BUILDERS: dict[str, Callable[[], DemoTask]] = {"arithmetic": _arithmetic, "reasoning": _reasoning}
+TASK_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def demo_task(name: str) -> DemoTask:
+    """The built-in task called ``name``; a ``ValueError`` lists the allowed names."""
+    if name not in _BUILDERS:
+        raise ValueError(f"task must be one of {', '.join(map(repr, TASK_NAMES))}, got {name!r}")
+    return _BUILDERS[name]()
