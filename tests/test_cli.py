@@ -187,3 +187,50 @@ def test_demo_choices_come_from_the_config_fields(capsys):
     assert "{" + ",".join(fair_cast.metadata["choices"]) + "}" in capsys.readouterr().out
     with pytest.raises(KeyError):
         config_choices("learning_rate")  # a field without choices
+
+
+def _run_metrics(folder, tokens_key):
+    import json
+
+    folder.mkdir(parents=True)
+    rows = [{"step": s, "reward": s / 10, "completions/mean_length": 50.0, "rollout/completions": 64,
+             **({"duet/tokens": 1500.0, "duet/abort_frac": 0.1} if tokens_key == "duet" else {})} for s in (1, 2, 3)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_plot_command_overlays_several_runs(tmp_path, capsys, monkeypatch):
+    grpo = _run_metrics(tmp_path / "grpo", "plain")
+    duet = _run_metrics(tmp_path / "duet", "duet")
+    out = tmp_path / "compare"
+    assert main(["plot", str(grpo), str(duet / "metrics.jsonl"), "--output-dir", str(out)]) == 0
+    printed = [p.rsplit("/", 1)[-1] for p in capsys.readouterr().out.split()]
+    assert printed == ["rollout_tokens.png", "abort_frac.png", "reward_vs_tokens.png"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot", str(grpo), str(duet)]) == 0  # default: the current folder
+    assert (tmp_path / "reward_vs_tokens.png").is_file()
+    assert main(["plot", str(grpo), str(tmp_path / "nowhere")]) == 2
+    assert "metrics file not found" in capsys.readouterr().err
+
+
+def test_plot_command_one_run_adds_the_budget_plots(tmp_path, capsys):
+    run = _run_metrics(tmp_path / "run", "duet")
+    assert main(["plot", str(run)]) == 0
+    for name in ("reward.png", "completion_length.png", "duet_tokens.png", "rollout_tokens.png", "abort_frac.png",
+                 "reward_vs_tokens.png"):
+        assert (run / name).is_file(), name
+
+
+def test_demo_command_reasoning_task(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--task", "reasoning", "--output-dir", str(out), "--max-steps", "1", "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "reasoning" and summary["steps"] == 1
+    assert (out / "reward_vs_tokens.png").is_file() and (out / "duet_tokens.png").is_file()
+    assert "reasoning task" in capsys.readouterr().out
+    assert main(["demo", "--task", "resoning", "--output-dir", str(out / "x")]) == 2
+    assert "invalid choice: 'resoning'" in capsys.readouterr().err
+    assert main(["demo", "--task", "reasoning", "--duet", "0.5", "--no-duet", "--output-dir", str(out / "x")]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err

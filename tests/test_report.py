@@ -110,3 +110,75 @@ def test_plot_metrics_writes_pngs_for_present_metrics_only(tmp_path):
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "plots").glob(".*tmp*"))
+
+
+def _write(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_callback_logs_the_completions_per_step():
+    from trl_fp8.report import completions_per_step
+
+    args = SimpleNamespace(per_device_train_batch_size=32, world_size=2, gradient_accumulation_steps=2,
+                           num_iterations=2)
+    assert completions_per_step(args) == 64
+    assert completions_per_step(None) is None
+
+
+def test_callback_adds_the_count_to_records_with_lengths(tmp_path):
+    path = tmp_path / "m.jsonl"
+    cb = MetricsJsonlCallback(path)
+    args = SimpleNamespace(per_device_train_batch_size=16, world_size=1, gradient_accumulation_steps=1,
+                           num_iterations=1)
+    cb.on_log(args, _state(1), None, logs={"reward": 0.5, "completions/mean_length": 10.0})
+    cb.on_log(args, _state(1), None, logs={"train_runtime": 3.0})
+    first, second = read_metrics(path)
+    assert first["rollout/completions"] == 16 and "rollout/completions" not in second
+
+
+def test_rollout_tokens_prefers_duet_and_reward_vs_cumulative_tokens():
+    from trl_fp8.report import reward_vs_tokens, rollout_tokens
+
+    records = [
+        {"step": 1, "reward": 0.1, "completions/mean_length": 10.0, "rollout/completions": 8},
+        {"step": 2, "reward": 0.2, "completions/mean_length": 12.0, "rollout/completions": 8, "duet/tokens": 50.0},
+        {"step": 4, "reward": 0.4, "completions/mean_length": 5.0, "rollout/completions": 8},  # stands for 2 steps
+        {"step": 5, "reward": 0.5, "completions/mean_length": 5.0},  # no count: unknown tokens, skipped
+        {"step": 5, "train_runtime": 1.0},
+    ]
+    assert rollout_tokens(records) == ([1, 2, 4], [80.0, 50.0, 40.0])
+    assert reward_vs_tokens(records) == ([80.0, 130.0, 210.0], [0.1, 0.2, 0.4])
+
+
+def test_run_labels_use_folder_names_and_disambiguate(tmp_path):
+    from trl_fp8.report import run_labels
+
+    assert run_labels([tmp_path / "grpo" / "metrics.jsonl", tmp_path / "duet.jsonl"]) == ["grpo", "duet"]
+    a, b = tmp_path / "x" / "run" / "metrics.jsonl", tmp_path / "y" / "run" / "metrics.jsonl"
+    assert run_labels([a, b]) == ["x/run", "y/run"]
+
+
+def test_plot_budget_one_and_several_runs(tmp_path):
+    from trl_fp8.report import plot_budget
+
+    grpo = _write(tmp_path / "grpo" / "metrics.jsonl", [
+        {"step": s, "reward": s / 10, "rewards/correctness_reward/mean": s / 20, "completions/mean_length": 60.0,
+         "rollout/completions": 64} for s in range(1, 6)])
+    duet = _write(tmp_path / "duet" / "metrics.jsonl", [
+        {"step": s, "reward": s / 8, "rewards/correctness_reward/mean": s / 16, "duet/tokens": 2000.0,
+         "duet/abort_frac": 0.05} for s in range(1, 6)])
+    written = plot_budget([grpo, duet], tmp_path / "cmp")
+    assert [p.rsplit("/", 1)[-1] for p in written] == ["rollout_tokens.png", "abort_frac.png", "reward_vs_tokens.png"]
+    for p in written:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    only = plot_budget([grpo], tmp_path / "one")  # plain GRPO: no abort plot
+    assert [p.rsplit("/", 1)[-1] for p in only] == ["rollout_tokens.png", "reward_vs_tokens.png"]
+    old = _write(tmp_path / "old.jsonl", [{"step": 1, "reward": 0.1, "completions/mean_length": 4.0}])
+    assert plot_budget([old], tmp_path / "none") == []  # no completion count logged: nothing to draw
+    with pytest.raises(ValueError, match="labels"):
+        plot_budget([grpo, duet], tmp_path / "x", labels=["a"])
+    with pytest.raises(ValueError, match="window"):
+        plot_budget([grpo], tmp_path / "x", window=0)

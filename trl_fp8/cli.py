@@ -1,9 +1,11 @@
 """The ``trl-fp8`` command line.
 
-- ``trl-fp8 demo [--output-dir DIR]``: the offline demo (GRPO on the embedded model and task, CPU).
+- ``trl-fp8 demo [--task arithmetic|reasoning] [--output-dir DIR]``: the offline demo (GRPO on an embedded model and
+  its task, CPU).
 - ``trl-fp8 grpo --config recipe.yaml [--field value ...]``: the arguments of ``trl grpo``, launched through
   ``accelerate launch`` like ``trl grpo``, trained with ``trl_fp8.GRPOTrainer``.
-- ``trl-fp8 plot METRICS.jsonl [--output-dir DIR]``: redraw the PNG report of a run.
+- ``trl-fp8 plot RUN [RUN ...] [--output-dir DIR]``: redraw the PNG report of a run (a metrics.jsonl or its folder),
+  or overlay several runs' token-budget plots, one line per run.
 """
 
 from __future__ import annotations
@@ -162,18 +164,28 @@ def cmd_grpo(argv: list[str]) -> int:
 
 
 def cmd_demo(argv: list[str]) -> int:
-    from .demo.run import DemoSettings, check_settings, format_summary, run_demo
+    from .demo.run import AUTO, DemoSettings, check_settings, format_summary, run_demo
+    from .demo.tasks import TASK_NAMES, demo_task
 
     defaults = DemoSettings()
-    p = argparse.ArgumentParser(prog="trl-fp8 demo", description="GRPO on the embedded model and arithmetic "
-                                "task, offline, on CPU; writes metrics.jsonl, PNG plots and the model.")
+    reasoning = demo_task("reasoning")
+    p = argparse.ArgumentParser(prog="trl-fp8 demo", description="GRPO on an embedded model and its task, offline, "
+                                "on CPU; writes metrics.jsonl, PNG plots and the model.")
+    p.add_argument("--task", default=defaults.task, choices=TASK_NAMES,
+                   help="arithmetic: two-operand sums, 7-token answers (fast); reasoning: chained arithmetic written "
+                   "step by step, 30-155 tokens, where DUET's token budget matters (default: %(default)s)")
     p.add_argument("--output-dir", default=defaults.output_dir, help="where the report goes (default: %(default)s)")
-    p.add_argument("--max-steps", type=int, default=defaults.max_steps, help="GRPO steps (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help=f"GRPO steps (default: the task's: arithmetic {defaults.max_steps}, reasoning "
+                   f"{reasoning.demo_max_steps})")
     p.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
     p.add_argument("--fair-cast", default=defaults.fair_cast, choices=config_choices("fair_cast"),
                    help="Fair Cast export rule of the served bf16 copy (default: %(default)s)")
-    p.add_argument("--duet", type=float, default=None, metavar="BUDGET",
-                   help="turn DUET on with this token budget β in (0, 1] (default: off)")
+    duet = p.add_mutually_exclusive_group()
+    duet.add_argument("--duet", type=float, default=None, metavar="BUDGET",
+                      help="turn DUET on with this token budget β in (0, 1] (default: the task's: arithmetic off, "
+                      f"reasoning {reasoning.demo_duet_budget})")
+    duet.add_argument("--no-duet", action="store_true", help="DUET off (plain GRPO), whatever the task")
     p.add_argument("--mxfp8", action="store_true",
                    help="MXFP8 linear layers through torchao (emulated on CPU: about 3.5x slower)")
     p.add_argument("--sync-checks", default=defaults.sync_checks,
@@ -185,10 +197,12 @@ def cmd_demo(argv: list[str]) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.error = _raise_usage_error
     args = p.parse_args(argv)
-    settings = DemoSettings(output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed,
-                            fair_cast=args.fair_cast, duet_budget=args.duet, mxfp8=args.mxfp8,
-                            sync_checks=args.sync_checks, progress=not args.no_progress, qlora=args.qlora)
     try:
+        duet_budget = None if args.no_duet else AUTO if args.duet is None else args.duet
+        settings = DemoSettings(output_dir=args.output_dir, task=args.task, max_steps=args.max_steps, seed=args.seed,
+                                fair_cast=args.fair_cast, duet_budget=duet_budget,
+                                mxfp8=args.mxfp8, sync_checks=args.sync_checks, progress=not args.no_progress,
+                                qlora=args.qlora)
         check_settings(settings)  # every value, before the model is loaded
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -200,29 +214,38 @@ def cmd_demo(argv: list[str]) -> int:
 def cmd_plot(argv: list[str]) -> int:
     import os
 
-    from .report import plot_metrics
+    from .report import plot_budget, plot_metrics, resolve_metrics_path
 
-    p = argparse.ArgumentParser(prog="trl-fp8 plot", description="Draw the PNG report of a metrics.jsonl file.")
-    p.add_argument("metrics", help="path of a metrics.jsonl written by a trl_fp8 run")
-    p.add_argument("--output-dir", default=None, help="folder for the PNGs (default: beside the metrics file)")
+    p = argparse.ArgumentParser(
+        prog="trl-fp8 plot",
+        description="Draw the PNG report of a run's metrics.jsonl; with several runs, overlay their token-budget plots "
+        "(rollout tokens per step, DUET abort fraction, reward vs cumulative rollout tokens), one line per run.")
+    p.add_argument("metrics", nargs="+", help="metrics.jsonl written by a trl_fp8 run, or the run's folder")
+    p.add_argument("--output-dir", default=None,
+                   help="folder for the PNGs (default: beside the metrics file; with several runs, the current folder)")
     p.error = _raise_usage_error
     args = p.parse_args(argv)
-    if not os.path.isfile(args.metrics):
-        raise UsageError(f"metrics file not found: {args.metrics}")
-    out = args.output_dir or os.path.dirname(os.path.abspath(args.metrics))
-    paths = plot_metrics(args.metrics, out)
-    if not paths:
-        print(f"{args.metrics}: no known metric to plot")
+    try:
+        paths = [resolve_metrics_path(m) for m in args.metrics]
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
+    if len(paths) == 1:
+        out = args.output_dir or os.path.dirname(os.path.abspath(paths[0]))
+        written = plot_metrics(paths[0], out) + plot_budget(paths, out)
+    else:
+        written = plot_budget(paths, args.output_dir or os.getcwd())
+    if not written:
+        print(f"{', '.join(args.metrics)}: no known metric to plot")
         return 1
-    for path in paths:
+    for path in written:
         print(path)
     return 0
 
 
 COMMANDS = {
-    "demo": (cmd_demo, "run the offline demo (GRPO on the embedded model and task, CPU)"),
+    "demo": (cmd_demo, "run the offline demo (GRPO on an embedded model and task, CPU)"),
     "grpo": (cmd_grpo, "run GRPO like `trl grpo`, with trl_fp8's trainer and config fields"),
-    "plot": (cmd_plot, "draw the PNG report of a metrics.jsonl"),
+    "plot": (cmd_plot, "draw the PNG report of a metrics.jsonl, or overlay several runs"),
 }
 
 

@@ -1,4 +1,9 @@
-"""Run reports: a JSON-lines metrics writer (a ``TrainerCallback``) and PNG plots read back from it."""
+"""Run reports: a JSON-lines metrics writer (a ``TrainerCallback``) and PNG plots read back from it.
+
+Besides the per-metric curves (:func:`plot_metrics`), :func:`plot_budget` draws what a token budget buys, for one run
+or several overlaid: rollout tokens per step, the fraction of rollouts aborted, and reward against cumulative
+rollout tokens.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +40,10 @@ class MetricsJsonlCallback(TrainerCallback):
     continues the same file: at the start of training from step N (N = 0 for a fresh start) the records of later
     steps — written by a session that was stopped after its last checkpoint — are dropped, and so is a last line
     cut short by a kill (see :func:`truncate_metrics`), so the file holds each step once.
+
+    A record that carries ``completions/mean_length`` also gets ``rollout/completions``: the completions generated
+    per optimizer step (``per_device_train_batch_size`` x processes x ``gradient_accumulation_steps`` /
+    ``num_iterations``), so that rollout tokens per step can be read back (:func:`rollout_tokens`).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -54,10 +63,25 @@ class MetricsJsonlCallback(TrainerCallback):
         record = {"step": state.global_step, "epoch": state.epoch}
         for key, value in logs.items():
             record[key] = _jsonable(value)
+        count = completions_per_step(args)
+        if count is not None and "completions/mean_length" in logs and "rollout/completions" not in logs:
+            record["rollout/completions"] = count
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+
+
+def completions_per_step(args) -> float | None:
+    """Completions generated per optimizer step under GRPO ``args`` (None when ``args`` lacks the fields)."""
+    try:
+        per_device = int(args.per_device_train_batch_size)
+        world = int(getattr(args, "world_size", 1) or 1)
+        accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        iterations = int(getattr(args, "num_iterations", 1) or 1)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return per_device * world * accumulation / iterations
 
 
 def _jsonable(value):
@@ -172,3 +196,154 @@ def plot_metrics(
         os.replace(tmp, path)
         written.append(str(path))
     return written
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Token-budget plots: one line per run
+
+
+def rollout_tokens(records: Sequence[dict]) -> tuple[list[int], list[float]]:
+    """(steps, rollout tokens per step): DUET's ``duet/tokens`` where a record has it, else
+    ``completions/mean_length`` x ``rollout/completions`` (written by :class:`MetricsJsonlCallback`)."""
+    steps, values = [], []
+    for r in records:
+        tokens = r.get("duet/tokens")
+        if not _finite(tokens):
+            length, count = r.get("completions/mean_length"), r.get("rollout/completions")
+            tokens = length * count if _finite(length) and _finite(count) else None
+        if tokens is not None:
+            steps.append(int(r.get("step", len(steps))))
+            values.append(float(tokens))
+    return steps, values
+
+
+def reward_vs_tokens(records: Sequence[dict], key: str = "reward") -> tuple[list[float], list[float]]:
+    """(cumulative rollout tokens at the end of each step, ``key`` at that step). A record stands for the steps
+    since the previous one (``logging_steps`` > 1 averages them), so its tokens per step count that many times."""
+    tokens = dict(zip(*rollout_tokens(records)))
+    xs, ys, total, previous = [], [], 0.0, 0
+    for r in records:
+        step = r.get("step")
+        if not isinstance(step, int) or step not in tokens or step <= previous:
+            continue
+        total += tokens[step] * (step - previous)
+        previous = step
+        if _finite(r.get(key)):
+            xs.append(total)
+            ys.append(float(r[key]))
+    return xs, ys
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _trailing_mean(values: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1): i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def run_labels(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """A short label per metrics file: its folder's name (the file's stem if it is not ``metrics.jsonl``), with
+    more of the path where two labels would be the same."""
+    paths = [Path(p).resolve() for p in paths]
+
+    def label(p: Path, depth: int) -> str:
+        parts = p.parent.parts if p.name == "metrics.jsonl" else p.with_suffix("").parts
+        return "/".join(parts[-depth:])
+
+    depth = 1
+    labels = [label(p, depth) for p in paths]
+    while len(set(labels)) < len(labels) and depth < 8:
+        depth += 1
+        labels = [label(p, depth) for p in paths]
+    return labels
+
+
+def resolve_metrics_path(path: str | os.PathLike) -> Path:
+    """A run folder -> its ``metrics.jsonl``; a file as given. ``FileNotFoundError`` names what is missing."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"metrics file not found: {path}")
+    return path
+
+
+def plot_budget(
+    metrics_paths: Sequence[str | os.PathLike],
+    output_dir: str | os.PathLike,
+    labels: Sequence[str] | None = None,
+    reward_key: str | None = None,
+    window: int = 5,
+) -> list[str]:
+    """The token-budget report of one or several runs, one line per run; returns the written PNG paths.
+
+    - ``rollout_tokens.png``: rollout tokens per step (:func:`rollout_tokens`);
+    - ``abort_frac.png``: DUET's fraction of rollouts aborted for want of an answer marker (runs that log it);
+    - ``reward_vs_tokens.png``: reward (``window``-step trailing mean) against cumulative rollout tokens.
+
+    ``reward_key`` defaults to ``rewards/correctness_reward/mean`` when every run logs it, else ``reward``.
+    A plot no run has data for is not drawn.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = [Path(p) for p in metrics_paths]
+    if not paths:
+        raise ValueError("metrics_paths must name at least one metrics file")
+    labels = list(labels) if labels is not None else run_labels(paths)
+    if len(labels) != len(paths):
+        raise ValueError(f"labels must have one entry per metrics file ({len(paths)}), got {len(labels)}")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive integer, got {window!r}")
+    runs = [read_metrics(p) for p in paths]
+    if reward_key is None:
+        accuracy = "rewards/correctness_reward/mean"
+        reward_key = accuracy if all(series(r, accuracy)[0] for r in runs) else "reward"
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    many = len(runs) > 1
+    figures = (
+        ("rollout_tokens", "Rollout tokens per step", "step", "tokens", rollout_tokens),
+        ("abort_frac", "DUET: fraction of rollouts aborted (no answer marker)", "step", "fraction",
+         lambda r: series(r, "duet/abort_frac")),
+        ("reward_vs_tokens", f"{reward_key} ({window}-step trailing mean) vs rollout tokens spent",
+         "cumulative rollout tokens", reward_key, lambda r: _smoothed(reward_vs_tokens(r, reward_key), window)),
+    )
+    written = []
+    for stem, title, xlabel, ylabel, get in figures:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        drawn = False
+        for records, label in zip(runs, labels):
+            xs, ys = get(records)
+            if xs:
+                ax.plot(xs, ys, marker="." if len(xs) < 60 else None, label=label)
+                drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+        if many or stem != "reward_vs_tokens":
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = output_dir / f"{stem}.png"
+        tmp = path.with_name(f".{path.stem}.tmp.png")
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        os.replace(tmp, path)
+        written.append(str(path))
+    return written
+
+
+def _smoothed(xy: tuple[list[float], list[float]], window: int) -> tuple[list[float], list[float]]:
+    xs, ys = xy
+    return xs, _trailing_mean(ys, window)

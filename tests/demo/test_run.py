@@ -55,3 +55,44 @@ def test_default_demo_reward_rises(tmp_path):
     assert checks["logprob_agreement"]["runs"] == summary["steps"] and checks["logprob_agreement"]["failed"] == 0
     assert "weight-sync checks:" in format_summary(summary)
     assert "accuracy" in format_summary(summary)
+
+
+def test_task_defaults_fill_the_unset_fields():
+    arithmetic = DemoSettings()
+    assert (arithmetic.task, arithmetic.max_steps, arithmetic.prompts_per_step) == ("arithmetic", 300, 16)
+    assert (arithmetic.max_completion_length, arithmetic.duet_budget) == (16, None)
+    reasoning = DemoSettings(task="reasoning")
+    assert (reasoning.max_steps, reasoning.prompts_per_step, reasoning.max_completion_length) == (30, 8, 320)
+    assert reasoning.duet_budget == 0.5
+    assert DemoSettings(task="reasoning", duet_budget=None).duet_budget is None  # DUET off on request
+    assert DemoSettings(task="reasoning", duet_budget=0.25, max_steps=4).max_steps == 4
+
+
+def test_reasoning_run_config(tmp_path):
+    args = check_settings(DemoSettings(task="reasoning", output_dir=str(tmp_path)))
+    assert (args.duet, args.duet_budget, args.max_completion_length) == (True, 0.5, 320)
+    assert args.duet_markers == ["math"] and args.reward_weights == [1.0, 0.2]
+    assert args.per_device_train_batch_size == 8 * 8
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("task", "resoning", "task must be one of 'arithmetic', 'reasoning', got 'resoning'"),
+    ("duet_budget", "half", "duet_budget must be None"),
+])
+def test_task_and_budget_validation_names_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DemoSettings(**{field: value}).validate()
+
+
+def test_reasoning_demo_smoke(tmp_path):
+    """A very short reasoning run with DUET: its report has the token-budget plots and summary."""
+    out = tmp_path / "run"
+    summary = run_demo(DemoSettings(task="reasoning", output_dir=str(out), max_steps=2, prompts_per_step=2,
+                                    num_generations=4, max_completion_length=64, progress=False))
+    assert summary["task"] == "reasoning" and summary["steps"] == 2
+    names = {p.rsplit("/", 1)[-1] for p in summary["plots"]}
+    assert {"reward.png", "duet_tokens.png", "rollout_tokens.png", "abort_frac.png", "reward_vs_tokens.png"} <= names
+    assert summary["budget"]["rollout_tokens_total"] > 0 and 0 <= summary["budget"]["duet_abort_frac_mean"] <= 1
+    text = format_summary(summary)
+    assert "reasoning task" in text and "rollout tokens:" in text and "DUET aborted" in text
+    assert json.loads((out / "summary.json").read_text())["task"] == "reasoning"

@@ -1,8 +1,9 @@
-"""The main job: GRPO on the embedded model and arithmetic task, offline, on CPU, with a report.
+"""The main job: GRPO on an embedded model and its task, offline, on CPU, with a report.
 
-``trl-fp8 demo [--output-dir DIR]`` runs :func:`run_demo`. It writes ``metrics.jsonl`` (one record per step),
-PNG plots (reward and completion length per step), ``summary.json`` and the final model to the output
-folder, and prints where they are.
+``trl-fp8 demo [--task arithmetic|reasoning] [--output-dir DIR]`` runs :func:`run_demo`. It writes ``metrics.jsonl``
+(one record per step), PNG plots (reward and completion length per step; for the reasoning task also rollout tokens
+per step, DUET's abort fraction and reward against cumulative rollout tokens), ``summary.json`` and the final model to
+the output folder, and prints where they are. The tasks and their defaults are in :mod:`trl_fp8.demo.tasks`.
 """
 
 from __future__ import annotations
@@ -15,26 +16,35 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..report import plot_metrics, read_metrics, series
+from ..report import plot_budget, plot_metrics, read_metrics, rollout_tokens, series
+from .tasks import TASK_NAMES, demo_task
 
 WINDOW = 10  # steps averaged at the start and end of the run for the summary
+AUTO = "auto"  # duet_budget: the task's default
 
 
 @dataclass
 class DemoSettings:
-    """Knobs of the demo run. The defaults finish in a few minutes on 2 CPU cores."""
+    """Knobs of the demo run. The defaults finish in a few minutes on 2 CPU cores.
+
+    ``max_steps``, ``prompts_per_step`` and ``max_completion_length`` left at None, and ``duet_budget`` left at
+    ``"auto"``, take the task's defaults (:class:`trl_fp8.demo.tasks.DemoTask`) when the settings are made:
+    arithmetic 300 steps x 16 prompts, 16 tokens, DUET off; reasoning 30 steps x 8 prompts, 320 tokens, DUET at
+    β = 0.5. ``duet_budget=None`` turns DUET off.
+    """
 
     output_dir: str = "trl_fp8_demo"
-    max_steps: int = 300
+    task: str = "arithmetic"
+    max_steps: int | None = None
     learning_rate: float = 1e-4
-    prompts_per_step: int = 16
+    prompts_per_step: int | None = None
     num_generations: int = 8
-    max_completion_length: int = 16
+    max_completion_length: int | None = None
     temperature: float = 1.0
     seed: int = 0
     num_problems: int = 4000
     fair_cast: str = "stochastic"
-    duet_budget: float | None = None  # None: DUET off; else its budget β
+    duet_budget: float | str | None = AUTO  # None: DUET off; "auto": the task's default; else its budget β
     mxfp8: bool = False  # MXFP8 linear layers (emulated on CPU: about 3.5x slower)
     qlora: str | None = None  # None: full fine-tuning; "fast": NF4 base + LoRA with fast QLoRA; "plain": TRL's QLoRA
     lora_learning_rate: float = 1e-3  # the learning rate with qlora (adapters train, the base is frozen)
@@ -44,7 +54,25 @@ class DemoSettings:
     sync_checks: str = "default"
     progress: bool = True
 
+    def __post_init__(self):
+        if self.task not in TASK_NAMES:
+            return  # validate() names the field
+        task = demo_task(self.task)
+        if self.max_steps is None:
+            self.max_steps = task.demo_max_steps
+        if self.prompts_per_step is None:
+            self.prompts_per_step = task.demo_prompts_per_step
+        if self.max_completion_length is None:
+            self.max_completion_length = task.max_completion_length
+        if isinstance(self.duet_budget, str) and self.duet_budget == AUTO:
+            self.duet_budget = task.demo_duet_budget
+
     def validate(self) -> None:
+        if self.task not in TASK_NAMES:
+            raise ValueError(f"task must be one of {', '.join(map(repr, TASK_NAMES))}, got {self.task!r}")
+        if isinstance(self.duet_budget, str):
+            raise ValueError(f"duet_budget must be None (DUET off), {AUTO!r} or a number in (0, 1], "
+                             f"got {self.duet_budget!r}")
         for name in ("max_steps", "prompts_per_step", "num_generations", "max_completion_length", "num_problems"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -95,6 +123,7 @@ def build_demo_config(settings: DemoSettings, **overrides):
     """The ``trl_fp8.GRPOConfig`` of the demo run (CPU, fp32, one log record per step)."""
     from ..config import GRPOConfig
 
+    task = demo_task(settings.task)
     out = Path(settings.output_dir)
     kwargs = dict(
         output_dir=str(out / "trainer"),
@@ -115,10 +144,11 @@ def build_demo_config(settings: DemoSettings, **overrides):
         disable_tqdm=True,
         seed=settings.seed,
         data_seed=settings.seed,
-        reward_weights=[1.0, 0.2],
+        reward_weights=list(task.reward_weights),
         fair_cast=settings.fair_cast,
         duet=settings.duet_budget is not None,
         duet_budget=settings.duet_budget if settings.duet_budget is not None else 0.5,
+        duet_markers=list(task.duet_markers),
         mxfp8=settings.mxfp8,
         sync_checks=settings.sync_checks,
         fast_qlora="on" if settings.qlora == "fast" else "off",
@@ -190,25 +220,42 @@ def summarize_qlora(metrics_path: str | os.PathLike) -> dict:
     return out
 
 
+def summarize_budget(metrics_path: str | os.PathLike) -> dict:
+    """Rollout tokens spent over the run (total and per step) and DUET's mean abort fraction, where logged."""
+    records = read_metrics(metrics_path)
+    out = {}
+    steps, tokens = rollout_tokens(records)
+    if tokens:
+        total, previous = 0.0, 0
+        for step, value in zip(steps, tokens):
+            total += value * max(1, step - previous)
+            previous = step
+        out["rollout_tokens_total"] = total
+        out["rollout_tokens_per_step"] = total / max(1, previous)
+    _, aborts = series(records, "duet/abort_frac")
+    if aborts:
+        out["duet_abort_frac_mean"] = sum(aborts) / len(aborts)
+    return out
+
+
 def run_demo(settings: DemoSettings | None = None, **config_overrides) -> dict:
     """Run the demo and return its summary (also written to ``summary.json``)."""
-    from ..tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
     from ..trainer import GRPOTrainer
-    from .model import demo_model_path
 
     settings = settings or DemoSettings()
     args = check_settings(settings, **config_overrides)
+    task = demo_task(settings.task)
     out = Path(settings.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     if metrics_path.exists():
         metrics_path.unlink()  # a fresh run starts a fresh report
 
-    dataset = make_arithmetic_dataset(settings.num_problems, seed=settings.seed)
+    dataset = task.make_dataset(settings.num_problems, seed=settings.seed)
     start = time.perf_counter()
     trainer = GRPOTrainer(
-        model=demo_model_path(),
-        reward_funcs=[correctness_reward, format_reward],
+        model=task.model_path(),
+        reward_funcs=list(task.reward_funcs),
         args=args,
         train_dataset=dataset,
         callbacks=[_ProgressCallback(settings.progress)],
@@ -227,7 +274,11 @@ def run_demo(settings: DemoSettings | None = None, **config_overrides) -> dict:
     trainer.save_model(str(model_dir))
 
     plots = plot_metrics(metrics_path, out)
+    if task.name != "arithmetic":  # the arithmetic demo's report stays as it was (5 plots)
+        plots += plot_budget([metrics_path], out, labels=[f"{task.name}, DUET β={settings.duet_budget}"
+                                                          if settings.duet_budget is not None else task.name])
     summary = {
+        "task": task.name,
         "steps": trainer.state.global_step,
         "wall_clock_s": elapsed,
         "metrics": str(metrics_path),
@@ -235,6 +286,9 @@ def run_demo(settings: DemoSettings | None = None, **config_overrides) -> dict:
         "model": str(model_dir),
         **summarize(metrics_path),
     }
+    budget = summarize_budget(metrics_path)
+    if budget:
+        summary["budget"] = budget
     if settings.qlora:
         summary["qlora"] = {"mode": settings.qlora, **summarize_qlora(metrics_path)}
         if kept is not None:
@@ -246,7 +300,8 @@ def run_demo(settings: DemoSettings | None = None, **config_overrides) -> dict:
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"trl_fp8 demo: {summary['steps']} GRPO steps in {summary['wall_clock_s']:.0f} s"]
+    task = summary.get("task", "arithmetic")
+    lines = [f"trl_fp8 demo ({task} task): {summary['steps']} GRPO steps in {summary['wall_clock_s']:.0f} s"]
     for name, label in (("rewards/correctness_reward/mean", "accuracy"), ("reward", "total reward")):
         if name in summary:
             s = summary[name]
@@ -254,6 +309,13 @@ def format_summary(summary: dict) -> str:
                 f"  {label:<13} first {s['window']} steps {s['first_mean']:.3f} -> last {s['window']} steps "
                 f"{s['last_mean']:.3f} ({s['gain']:+.3f})"
             )
+    if "budget" in summary and "rollout_tokens_total" in summary["budget"]:
+        b = summary["budget"]
+        line = (f"  rollout tokens: {b['rollout_tokens_total']:.0f} in all, {b['rollout_tokens_per_step']:.0f} per "
+                "step")
+        if "duet_abort_frac_mean" in b:
+            line += f"; DUET aborted {b['duet_abort_frac_mean']:.1%} of rollouts"
+        lines.append(line)
     if "sync_checks" in summary:
         checks = summary["sync_checks"]
         failed = sum(c["failed"] for c in checks.values())
