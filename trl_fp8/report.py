@@ -217,19 +217,27 @@ def rollout_tokens(records: Sequence[dict]) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+def cumulative_rollout_tokens(records: Sequence[dict]) -> dict[int, float]:
+    """Step -> rollout tokens spent up to the end of that step. A record stands for the steps since the previous one
+    (``logging_steps`` > 1 averages them), so its tokens per step count that many times."""
+    out, total, previous = {}, 0.0, 0
+    for step, tokens in zip(*rollout_tokens(records)):
+        if step <= previous:
+            continue
+        total += tokens * (step - previous)
+        previous = step
+        out[step] = total
+    return out
+
+
 def reward_vs_tokens(records: Sequence[dict], key: str = "reward") -> tuple[list[float], list[float]]:
-    """(cumulative rollout tokens at the end of each step, ``key`` at that step). A record stands for the steps
-    since the previous one (``logging_steps`` > 1 averages them), so its tokens per step count that many times."""
-    tokens = dict(zip(*rollout_tokens(records)))
-    xs, ys, total, previous = [], [], 0.0, 0
+    """(cumulative rollout tokens at the end of each step, ``key`` at that step), over the records that have both."""
+    cumulative = cumulative_rollout_tokens(records)
+    xs, ys = [], []
     for r in records:
         step = r.get("step")
-        if not isinstance(step, int) or step not in tokens or step <= previous:
-            continue
-        total += tokens[step] * (step - previous)
-        previous = step
-        if _finite(r.get(key)):
-            xs.append(total)
+        if step in cumulative and _finite(r.get(key)):
+            xs.append(cumulative[step])
             ys.append(float(r[key]))
     return xs, ys
 

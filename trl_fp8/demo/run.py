@@ -16,7 +16,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..report import plot_budget, plot_metrics, read_metrics, rollout_tokens, series
+from ..report import cumulative_rollout_tokens, plot_budget, plot_metrics, read_metrics, series
 from .tasks import TASK_NAMES, demo_task
 
 WINDOW = 10  # steps averaged at the start and end of the run for the summary
@@ -224,14 +224,11 @@ def summarize_budget(metrics_path: str | os.PathLike) -> dict:
     """Rollout tokens spent over the run (total and per step) and DUET's mean abort fraction, where logged."""
     records = read_metrics(metrics_path)
     out = {}
-    steps, tokens = rollout_tokens(records)
-    if tokens:
-        total, previous = 0.0, 0
-        for step, value in zip(steps, tokens):
-            total += value * max(1, step - previous)
-            previous = step
-        out["rollout_tokens_total"] = total
-        out["rollout_tokens_per_step"] = total / max(1, previous)
+    cumulative = cumulative_rollout_tokens(records)
+    if cumulative:
+        last = max(cumulative)
+        out["rollout_tokens_total"] = cumulative[last]
+        out["rollout_tokens_per_step"] = cumulative[last] / last
     _, aborts = series(records, "duet/abort_frac")
     if aborts:
         out["duet_abort_frac_mean"] = sum(aborts) / len(aborts)
