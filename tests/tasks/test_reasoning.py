@@ -50,7 +50,9 @@ def test_make_problem_rejects_a_bad_number_of_terms():
 
 
 def test_difficulty_splits_the_range_in_thirds():
-    assert [difficulty_of(n) for n in (2, 5, 6, 9, 10, 14)] == ["easy", "easy", "medium", "medium", "hard", "hard"]
+    # 2..14 terms: easy 2-6, medium 7-10, hard 11-14
+    assert [difficulty_of(n) for n in (2, 6, 7, 10, 11, 14)] == ["easy", "easy", "medium", "medium", "hard", "hard"]
+    assert [difficulty_of(n, max_terms=4) for n in (2, 3, 4)] == ["easy", "medium", "hard"]
 
 
 def test_target_completion_writes_every_step():

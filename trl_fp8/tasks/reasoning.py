@@ -33,7 +33,8 @@ DIFFICULTIES = ("easy", "medium", "hard")
 
 
 def difficulty_of(num_terms: int, max_terms: int = MAX_TERMS) -> str:
-    """``"easy"``, ``"medium"`` or ``"hard"``: the lower, middle and upper third of the 2..``max_terms`` range."""
+    """``"easy"``, ``"medium"`` or ``"hard"``: the lower, middle and upper third of the 2..``max_terms`` range
+    (for the default 14: 2-6, 7-10 and 11-14 terms)."""
     span = max(1, max_terms - MIN_TERMS + 1)
     third = (num_terms - MIN_TERMS) * 3 // span
     return DIFFICULTIES[min(max(third, 0), 2)]
