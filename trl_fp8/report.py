@@ -311,8 +311,8 @@ def plot_budget(
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive integer, got {window!r}")
     runs = [read_metrics(p) for p in paths]
+    accuracy = "rewards/correctness_reward/mean"
     if reward_key is None:
-        accuracy = "rewards/correctness_reward/mean"
         reward_key = accuracy if all(series(r, accuracy)[0] for r in runs) else "reward"
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -321,7 +321,8 @@ def plot_budget(
         ("rollout_tokens", "Rollout tokens per step", "step", "tokens", rollout_tokens),
         ("abort_frac", "DUET: fraction of rollouts aborted (no answer marker)", "step", "fraction",
          lambda r: series(r, "duet/abort_frac")),
-        ("reward_vs_tokens", f"{reward_key} ({window}-step trailing mean) vs rollout tokens spent",
+        ("reward_vs_tokens", f"{'Accuracy' if reward_key == accuracy else reward_key} vs rollout tokens spent "
+         f"({window}-step trailing mean)",
          "cumulative rollout tokens", reward_key, lambda r: _smoothed(reward_vs_tokens(r, reward_key), window)),
     )
     written = []

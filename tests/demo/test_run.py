@@ -60,10 +60,10 @@ def test_default_demo_reward_rises(tmp_path):
 def test_task_defaults_fill_the_unset_fields():
     arithmetic = DemoSettings()
     assert (arithmetic.task, arithmetic.max_steps, arithmetic.prompts_per_step) == ("arithmetic", 300, 16)
-    assert (arithmetic.max_completion_length, arithmetic.duet_budget) == (16, None)
+    assert (arithmetic.max_completion_length, arithmetic.duet_budget, arithmetic.learning_rate) == (16, None, 1e-4)
     reasoning = DemoSettings(task="reasoning")
     assert (reasoning.max_steps, reasoning.prompts_per_step, reasoning.max_completion_length) == (30, 8, 320)
-    assert reasoning.duet_budget == 0.5
+    assert (reasoning.duet_budget, reasoning.learning_rate) == (0.5, 2e-5)
     assert DemoSettings(task="reasoning", duet_budget=None).duet_budget is None  # DUET off on request
     assert DemoSettings(task="reasoning", duet_budget=0.25, max_steps=4).max_steps == 4
 
@@ -72,7 +72,7 @@ def test_reasoning_run_config(tmp_path):
     args = check_settings(DemoSettings(task="reasoning", output_dir=str(tmp_path)))
     assert (args.duet, args.duet_budget, args.max_completion_length) == (True, 0.5, 320)
     assert args.duet_markers == ["math"] and args.reward_weights == [1.0, 0.2]
-    assert args.per_device_train_batch_size == 8 * 8
+    assert args.per_device_train_batch_size == 8 * 8 and args.learning_rate == 2e-5
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -27,16 +27,16 @@ AUTO = "auto"  # duet_budget: the task's default
 class DemoSettings:
     """Knobs of the demo run. The defaults finish in a few minutes on 2 CPU cores.
 
-    ``max_steps``, ``prompts_per_step`` and ``max_completion_length`` left at None, and ``duet_budget`` left at
-    ``"auto"``, take the task's defaults (:class:`trl_fp8.demo.tasks.DemoTask`) when the settings are made:
-    arithmetic 300 steps x 16 prompts, 16 tokens, DUET off; reasoning 30 steps x 8 prompts, 320 tokens, DUET at
-    β = 0.5. ``duet_budget=None`` turns DUET off.
+    ``max_steps``, ``prompts_per_step``, ``learning_rate`` and ``max_completion_length`` left at None, and
+    ``duet_budget`` left at ``"auto"``, take the task's defaults (:class:`trl_fp8.demo.tasks.DemoTask`) when the
+    settings are made: arithmetic 300 steps x 16 prompts, lr 1e-4, 16 tokens, DUET off; reasoning 30 steps x 8
+    prompts, lr 2e-5, 320 tokens, DUET at β = 0.5. ``duet_budget=None`` turns DUET off.
     """
 
     output_dir: str = "trl_fp8_demo"
     task: str = "arithmetic"
     max_steps: int | None = None
-    learning_rate: float = 1e-4
+    learning_rate: float | None = None
     prompts_per_step: int | None = None
     num_generations: int = 8
     max_completion_length: int | None = None
@@ -62,6 +62,8 @@ class DemoSettings:
             self.max_steps = task.demo_max_steps
         if self.prompts_per_step is None:
             self.prompts_per_step = task.demo_prompts_per_step
+        if self.learning_rate is None:
+            self.learning_rate = task.demo_learning_rate
         if self.max_completion_length is None:
             self.max_completion_length = task.max_completion_length
         if isinstance(self.duet_budget, str) and self.duet_budget == AUTO:
