@@ -161,23 +161,31 @@ def main() -> None:
           "seconds = training wall-clock (generation + update), 1 thread")
     print("per seed:")
     print(f"{'method':<10}{'seed':>5}{'tokens to target':>18}{'seconds to target':>19}{'step':>6}{'final acc':>11}"
-          f"{'total tokens':>14}{'aborted':>9}{'rollouts':>10}")
+          f"{'total tokens':>14}{'train s':>9}{'aborted':>9}{'rollouts':>10}")
     for method, runs in results.items():
         for seed, r, h in zip(args.seeds, runs, hits[method]):
             reach = (f"{h[1]:>18.0f}{h[2]:>19.1f}{h[0]:>6}" if h is not None
                      else f"{'not reached':>18}{'not reached':>19}{'-':>6}")
             print(f"{method:<10}{seed:>5}{reach}{r['evals'][-1][3]:>11.3f}{r['tokens']:>14.0f}"
-                  f"{r['aborted']:>9.0f}{r['rollouts']:>10.0f}")
+                  f"{r['train_time']:>9.1f}{r['aborted']:>9.0f}{r['rollouts']:>10.0f}")
 
     print("\nacross seeds: mean ± std [min, max]; to-target figures over the seeds that reached the target")
     print(f"{'method':<10}{'reached':>8}{'tokens to target':>36}{'seconds to target':>28}{'final acc':>30}"
-          f"{'total tokens':>36}{'aborted / rollouts':>26}")
+          f"{'total tokens':>38}{'total train s':>28}{'aborted / rollouts':>32}")
     for method, runs in results.items():
         reached = [h for h in hits[method] if h is not None]
         abort_frac = [r["aborted"] / r["rollouts"] for r in runs if r["rollouts"] > 0]
         print(f"{method:<10}{f'{len(reached)}/{len(runs)}':>8}{spread([h[1] for h in reached], ',.0f'):>36}"
               f"{spread([h[2] for h in reached], '.1f'):>28}{spread([r['evals'][-1][3] for r in runs], '.3f'):>30}"
-              f"{spread([r['tokens'] for r in runs], ',.0f'):>36}{spread(abort_frac, '.3f'):>26}")
+              f"{spread([r['tokens'] for r in runs], ',.0f'):>38}{spread([r['train_time'] for r in runs], '.1f'):>28}"
+              f"{spread(abort_frac, '.3f'):>32}")
+    base = results["grpo"]
+    for method in [m for m in methods if m != "grpo"]:  # at equal steps, per seed (paired)
+        tokens = [r["tokens"] / g["tokens"] for r, g in zip(results[method], base) if g["tokens"] > 0]
+        seconds = [r["train_time"] / g["train_time"] for r, g in zip(results[method], base) if g["train_time"] > 0]
+        delta = [r["evals"][-1][3] - g["evals"][-1][3] for r, g in zip(results[method], base)]
+        print(f"{method} / grpo at equal steps, per seed: total tokens {spread(tokens, '.3f')}, train seconds "
+              f"{spread(seconds, '.3f')}, final accuracy difference {spread(delta, '+.3f')}")
 
     import matplotlib
 
