@@ -185,7 +185,7 @@ def main() -> None:
         seconds = [r["train_time"] / g["train_time"] for r, g in zip(results[method], base) if g["train_time"] > 0]
         delta = [r["evals"][-1][3] - g["evals"][-1][3] for r, g in zip(results[method], base)]
         print(f"{method} / grpo at equal steps, per seed: total tokens {spread(tokens, '.3f')}, train seconds "
-              f"{spread(seconds, '.3f')}, final accuracy difference {spread(delta, '+.3f')}")
+              f"{spread(seconds, '.3f')}, final accuracy difference (DUET − GRPO) {spread(delta, '.3f')}")
 
     import matplotlib
 
