@@ -188,13 +188,7 @@ def plot_metrics(
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = output_dir / f"{stem}.png"
-        tmp = path.with_name(f".{path.stem}.tmp.png")
-        fig.savefig(tmp, dpi=100)
-        plt.close(fig)
-        os.replace(tmp, path)
-        written.append(str(path))
+        written.append(_save_figure(plt, fig, output_dir, stem))
     return written
 
 
@@ -343,14 +337,19 @@ def plot_budget(
         ax.grid(alpha=0.3)
         if many or stem != "reward_vs_tokens":
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = output_dir / f"{stem}.png"
-        tmp = path.with_name(f".{path.stem}.tmp.png")
-        fig.savefig(tmp, dpi=100)
-        plt.close(fig)
-        os.replace(tmp, path)
-        written.append(str(path))
+        written.append(_save_figure(plt, fig, output_dir, stem))
     return written
+
+
+def _save_figure(plt, fig, output_dir: Path, stem: str) -> str:
+    """Write ``fig`` to ``output_dir/stem.png`` atomically (a temporary name, then a rename); returns the path."""
+    fig.tight_layout()
+    path = output_dir / f"{stem}.png"
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return str(path)
 
 
 def _smoothed(xy: tuple[list[float], list[float]], window: int) -> tuple[list[float], list[float]]:

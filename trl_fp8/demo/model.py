@@ -25,35 +25,33 @@ from ..tokenization import build_char_tokenizer
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
 
 
+def embedded_model_path(folder: Path, what: str, script: str) -> str:
+    """``folder`` as a string for ``from_pretrained``; a clear error naming ``script`` when it is missing."""
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"The embedded {what} is missing from {folder}. Rebuild it with `python {script}`.")
+    return str(folder)
+
+
 def demo_model_path() -> str:
     """Folder of the shipped demo model, for ``from_pretrained``."""
-    if not (DEMO_MODEL_DIR / "config.json").is_file():
-        raise FileNotFoundError(
-            f"The embedded demo model is missing from {DEMO_MODEL_DIR}. Rebuild it with "
-            "`python examples/train_demo_model.py`."
-        )
-    return str(DEMO_MODEL_DIR)
+    return embedded_model_path(DEMO_MODEL_DIR, "demo model", "examples/train_demo_model.py")
+
+
+def char_qwen2_config(vocab_size: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                      positions: int):
+    """A float32 Qwen2 for the character tokenizer (pad 0, eos 1, no bos), heads of 32, tied embeddings."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=positions,
+        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None, dtype="float32",
+    )
 
 
 def build_demo_config(vocab_size: int = 128):
     """The demo architecture: Qwen2, 2 layers, hidden 64, 2 heads of 32, 1 KV head, tied embeddings."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        dtype="float32",
-    )
+    return char_qwen2_config(vocab_size, hidden=64, intermediate=256, layers=2, heads=2, kv_heads=1, positions=64)
 
 
 @dataclass

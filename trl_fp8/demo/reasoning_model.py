@@ -26,43 +26,23 @@ from ..tasks.reasoning import (
     make_problem,
     target_completion,
 )
-from .model import generate_completions, save_model_folder, warm_up
+from .model import char_qwen2_config, embedded_model_path, generate_completions, save_model_folder, warm_up
 
 REASONING_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "reasoning_model"
 # Completion cap of the task: the longest target (14 terms) is ~155 characters; off-track rollouts run to the cap,
-# and DUET aborts a marker-less rollout at K2 + 150 tokens (K2: 80th percentile of kept lengths, ~110 here).
+# and DUET aborts a marker-less rollout at K2 + duet_abort_grace (K2: 80th percentile of kept lengths, ~110 here;
+# the grace defaults to ~16 tokens at this cap).
 MAX_COMPLETION_LENGTH = 320
 
 
 def reasoning_model_path() -> str:
     """Folder of the shipped reasoning model, for ``from_pretrained``."""
-    if not (REASONING_MODEL_DIR / "config.json").is_file():
-        raise FileNotFoundError(
-            f"The embedded reasoning model is missing from {REASONING_MODEL_DIR}. Rebuild it with "
-            "`python examples/train_reasoning_model.py`."
-        )
-    return str(REASONING_MODEL_DIR)
+    return embedded_model_path(REASONING_MODEL_DIR, "reasoning model", "examples/train_reasoning_model.py")
 
 
 def build_reasoning_config(vocab_size: int = 128):
     """Qwen2, 4 layers, hidden 128, 4 heads of 32, 2 KV heads, tied embeddings, 512 positions."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        dtype="float32",
-    )
+    return char_qwen2_config(vocab_size, hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2, positions=512)
 
 
 @dataclass

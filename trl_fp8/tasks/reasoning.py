@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import re
 
-from .arithmetic import _completion_text, extract_boxed
+from .arithmetic import _completion_text, correctness_reward, extract_boxed  # the same answer check
 
 MIN_TERMS = 2
 MAX_TERMS = 14  # default upper bound: the longest target completion is then ~120 characters
@@ -96,15 +96,6 @@ def make_reasoning_dataset(num_samples: int = 2000, seed: int = 0, max_terms: in
         rows["num_terms"].append(n)
         rows["difficulty"].append(difficulty_of(n, max_terms))
     return Dataset.from_dict(rows)
-
-
-def correctness_reward(completions, answer, **kwargs) -> list[float]:
-    """1.0 when the last boxed value equals the reference answer, else 0.0."""
-    rewards = []
-    for completion, ref in zip(completions, answer, strict=True):
-        got = extract_boxed(_completion_text(completion))
-        rewards.append(1.0 if got is not None and got == str(ref).strip() else 0.0)
-    return rewards
 
 
 def format_reward(completions, **kwargs) -> list[float]:
