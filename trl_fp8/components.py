@@ -9,7 +9,9 @@ them; every hook has a do-nothing default, so a capability implements only what 
 - ``setup(trainer)``: once, in list order, after TRL's own ``__init__``; returns False when, on this run, the
   capability has nothing to do (it is then dropped, having said why);
 - generation (the in-process path): ``generating(trainer)`` (a context around each generation call),
-  ``logits_processors(trainer)`` / ``after_generation(trainer, completion_ids)``;
+  ``logits_processors(trainer)`` / ``after_generation(trainer, completion_ids)``; the sampler it owns, for the
+  checks: ``rollout_sampler(trainer)`` (one no sync feeds) and ``sampler_numerics(trainer)`` (how that sampler
+  computes, from the learner's weights);
 - batch and loss: ``adjust_rewards(trainer, rewards)``, ``adjust_batch(trainer, output)``,
   ``on_policy_logps(trainer, inputs, logps)`` (the loss forward's per-token logprobs);
 - tensors: ``describe(model)`` (the :class:`~trl_fp8.numerics.TensorSpec` of each tensor it changes the numerics
@@ -87,6 +89,18 @@ class Capability:
 
     def after_generation(self, trainer, completion_ids) -> None:
         pass
+
+    # -- the sampler it owns, for the weight-sync checks --------------------------------------------------------
+    def rollout_sampler(self, trainer):
+        """A separate in-process sampler this capability generates with that no sync feeds (e.g. fast QLoRA's
+        rollout cache), as a :class:`trl_fp8.samplers.Sampler` with ``synced = False``; None: it has none."""
+        return None
+
+    def sampler_numerics(self, trainer):
+        """For the logprob check: a context manager yielding the model that computes *the way this capability's
+        sampler computes, from the learner's current weights* (the reference ρ of
+        :class:`trl_fp8.sync.checks.LogprobBand`); None when the rollouts do not come from a sampler it owns."""
+        return None
 
     # -- batch and loss ------------------------------------------------------------------------------------------
     def adjust_rewards(self, trainer, rewards: torch.Tensor) -> torch.Tensor:

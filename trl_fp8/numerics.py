@@ -11,6 +11,8 @@ sampler must compute with. This module imports nothing from trl_fp8: every packa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -108,3 +110,47 @@ def quantize(tensor: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         raise ValueError(f"no reference quantizer for an engine-quantized tensor (method {spec.kernel!r}): the "
                          "learner side must describe what the engine computes in a format trl_fp8 implements.")
     return out
+
+
+# -- computing the way a sampler computes (the logprob check's reference) ------------------------------------------
+# A reference forward needs no second model: the served twin with the learner's export in it, or the learner with its
+# parameters cast to the engine's dtype, run with autocast off (every op in the dtype of the weights, as a model
+# loaded in that dtype runs) and in eval mode (no dropout, as an inference engine decodes).
+@contextlib.contextmanager
+def parameters_replaced(model: torch.nn.Module, named: dict[str, torch.Tensor]):
+    """Within the block, each parameter of ``model`` named in ``named`` (``named_parameters`` names) is that tensor,
+    in every module that holds it (a tied weight is replaced under both names). Unknown names are a ``KeyError``."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(named) - set(params))
+    if unknown:
+        raise KeyError(f"not parameters of {type(model).__name__}: {unknown[:5]}")
+    by_id = {id(params[n]): t for n, t in named.items()}
+    saved = []
+    try:
+        for module in model.modules():
+            for key, param in list(module._parameters.items()):
+                if param is not None and id(param) in by_id:
+                    saved.append((module, key, param))
+                    module._parameters[key] = by_id[id(param)]
+        yield model
+    finally:
+        for module, key, param in reversed(saved):
+            module._parameters[key] = param
+
+
+def cast_floating(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``name -> tensor`` in ``dtype`` for every floating tensor not already in it (what an engine in ``dtype`` holds
+    when it is sent the learner's tensors); integer and packed tensors are left out (they stay as they are)."""
+    return {n: t.detach().to(dtype) for n, t in named if t.is_floating_point() and t.dtype != dtype}
+
+
+@contextlib.contextmanager
+def sampler_precision(model: torch.nn.Module, device_type: str):
+    """Autocast off and ``model`` in eval mode for the block (its mode restored after)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield model
+    finally:
+        model.train(was_training)

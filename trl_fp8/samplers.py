@@ -59,6 +59,7 @@ class Sampler:
 
     kind = "sampler"
     readable = True  # read()/load() reach the tensors it computes with
+    synced = True  # weights are synced into it (False: it computes from the learner's own, e.g. a rollout cache)
     has_prefix_cache = False  # keeps a prefix/KV cache across generate calls
     cache_observable = False  # ... whose state cached_blocks()/reset_cache() can report
 
@@ -110,6 +111,18 @@ class Sampler:
     def cold(self, named: dict[str, torch.Tensor]):
         """A fresh sampler built directly from ``named`` (bypassing the load path), or None if impossible."""
         return None
+
+
+class RolloutCacheSampler(Sampler):
+    """The learner itself, decoding through a cache of its own weights in another dtype (fast QLoRA's rollout
+    cache). Nothing is synced into it, so only the logprob check applies (``synced = False``)."""
+
+    kind = "rollout cache"
+    readable = False
+    synced = False
+
+    def manifest(self):
+        return {}
 
 
 class TransformersSampler(Sampler):

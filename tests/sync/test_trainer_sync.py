@@ -41,7 +41,7 @@ def test_clean_run_of_20_steps_with_all_checks_raises_nothing(tmp_path, demo_dir
     seen = set()
     for record in records:
         for key, value in record.items():
-            if not key.startswith("sync/logp_gap"):
+            if not key.startswith(("sync/logp_", "sync/is_ratio_")):
                 assert value == 1.0, (key, record)
                 seen.add(key)
     # cache_hygiene does not apply in-process (generate() keeps no cache across calls); quant_parity has nothing to

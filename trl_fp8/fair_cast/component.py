@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, distributed, fourbit
+from .. import _trl, distributed, fourbit, numerics
 from ..numerics import dtype_name
 from ..components import Capability, check_choice
 from ..samplers import SyncLog, TransformersSampler
@@ -210,6 +210,13 @@ class FairCast(Capability):
             return self.zero.stream() if self.zero.active else iter(
                 (n, p.detach()) for n, p in self.sampler.model.named_parameters())  # ZeRO-3 before training
         return iter(self.served.served.items())
+
+    def sampler_numerics(self, trainer):
+        """The twin with the current export in place of its own tensors: what the twin computes when a sync has
+        brought it the learner's weights (the logprob check's reference; the twin's own state is not read)."""
+        if self.sampler is None:
+            return None
+        return numerics.parameters_replaced(self.sampler.model, dict(self.export_stream()))
 
     def sync(self, step: int, observer=None) -> None:
         """Bring the in-process twin to the current export (once per learner step). ``observer`` (the weight-sync

@@ -273,6 +273,36 @@ class FastQLoRA(Capability):
             yield
         _trl.record_metric(trainer, "qlora/cache_bytes", self.cache.bytes)
 
+    # -- the weight-sync checks: the rollout cache as a sampler ----------------------------------------------------
+    def rollout_sampler(self, trainer):
+        """In-process rollouts decode through the rollout cache (dense weights in ``cache_dtype``, rebuilt from the
+        learner at each generation): a separate numerics path that the logprob check compares."""
+        serving = trainer.serving()
+        if trainer.use_vllm or (serving is not None and serving.sampler is not None):
+            return None  # vLLM or Fair Cast's twin generates
+        from ..samplers import RolloutCacheSampler
+
+        return RolloutCacheSampler()
+
+    @contextlib.contextmanager
+    def _cache_numerics(self, dtype: torch.dtype, budget_bytes: int):
+        cache = RolloutCache(list(self.layers.items()), budget_bytes, dtype)  # built now, from the learner's weights
+        with torch.no_grad(), cache.active():
+            yield self.model
+
+    def sampler_numerics(self, trainer):
+        """The learner through a rollout cache built from its current adapters: as the cache decodes (in-process,
+        the same layers and dtype), or as a vLLM engine in ``dtype`` computes the merged ``dequant(W) + ΔW`` it is
+        sent (every LoRA layer dense in that dtype)."""
+        serving = trainer.serving()
+        if serving is not None and serving.sampler is not None:
+            return None  # Fair Cast's dense twin generates
+        if trainer.use_vllm:
+            if self.vllm_export is None:
+                return None
+            return self._cache_numerics(self.vllm_export.dtype(), 1 << 62)
+        return self._cache_numerics(self.cache_dtype, self.cache_budget_bytes())
+
     # -- vLLM and the checks: what a sampler is sent --------------------------------------------------------------
     @torch.no_grad()
     def export_stream(self, dtype: torch.dtype | None = None):

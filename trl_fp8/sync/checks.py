@@ -24,14 +24,15 @@ CHECKS = (
 # Cheap enough to leave on every step in production (the differential oracle reloads the weights several times).
 DEFAULT_CHECKS = tuple(c for c in CHECKS if c != "differential_oracle")
 RECIPE_FIELDS = ("dtype", "format", "block_size", "scale_dtype", "scale_rounding", "excluded", "kernel", "cast")
-# logprob agreement (see LogprobBand): the gap numerics explain is measured on every evaluated batch
-LOGPROB_BAND_FACTOR = 3.0  # the mean gap may be this multiple of the gap numerics alone explain ...
+# logprob agreement (see LogprobBand): the gap the sampler's precision explains is measured on every evaluated batch
+LOGPROB_BAND_FACTOR = 3.0  # the mean gap may be this multiple of the gap the sampler's precision explains ...
 LOGPROB_BAND_FLOOR = 0.01  # ... or this absolute floor, whichever is larger (per-token noise is real)
 LOGPROB_PERSISTENCE = 3  # an over-band gap fails on this many consecutive evaluations (one spike does not)
 LOGPROB_GROSS_FACTOR = 10.0  # a mean gap over max(log(LOGPROB_MAX_RATIO), this × band) fails at once ...
 LOGPROB_MAX_RATIO = 1.05  # ... (the gross ceiling never drops below exp(mean gap) = this)
 LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
 LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
+LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (its decoding and kernels) may add this multiple of its calibration
 
 
 class WeightSyncError(RuntimeError):
@@ -197,47 +198,66 @@ def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = 
 
 # -- 5. logprob agreement ---------------------------------------------------------------------------------------
 class LogprobBand:
-    """Sampler/learner logprob agreement, judged against the gap that numerics alone explain.
+    """Sampler/learner logprob agreement, judged against what numerics alone explain, measured on the same tokens.
 
-    ``gap`` is the mean |learner − sampler| logprob over the masked tokens. A healthy run's gap is not constant:
-    it grows as the policy sharpens (a bf16 sampler against an fp32 learner). So each evaluation gets its own
-    band, from ``numerics_logps``: the *learner's* logprobs of the same tokens computed at the sampler's precision
-    (the learner under autocast to the served dtype, on the same rows). ``explained`` = mean |learner − numerics|
-    is the gap precision alone produces on this very batch, and
+    ``gap`` is the mean |logπ_learner − logμ_sampler| over the masked tokens. A healthy gap is not zero and not
+    constant: the learner and the sampler compute in different precisions (fp32 or autocast against a sampler in
+    bf16 end to end) and along different paths (one teacher-forced forward against incremental decoding with a KV
+    cache, or another engine's kernels), and both effects grow as the policy sharpens. So every evaluation is judged
+    against a reference ``ρ`` (``numerics_logps``): the logprobs of the same tokens computed *from the learner's own
+    weights, the way the sampler computes* (the learner's tensors as the sampler is meant to hold them, every op in
+    the served dtype, autocast off). Since |π − μ| ≤ |π − ρ| + |ρ − μ| token by token, the gap splits into
 
-        band = max(factor × explained, floor)
+    - ``explained`` = mean |π − ρ|: what the sampler's precision alone produces on this very batch (measured on
+      every evaluation), and
+    - ``path`` = mean |ρ − μ|: the same weights and dtype, computed by the sampler itself: its decoding path and
+      kernels — and any fault (stale or corrupted weights, a wrong cache), since ρ never reads the sampler's state.
 
-    Without ``numerics_logps`` (a sampler path that cannot provide them) the band falls back to
-    ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest gap that has passed so far
-    (every evaluation feeds it, numerics or not); it is enforced once ``calibration`` evaluations have fed it.
-    The fallback follows slow growth, so it catches a sudden, lasting jump of the gap (a stale or corrupted
-    sampler), not a fault that creeps in more slowly than the policy sharpens.
+    The path term has no independent measure, so it is calibrated: ``path_reference`` is the largest path term
+    that passed on an evaluation whose sync was verified (bitwise freshness passed, or could not run), and once
+    ``calibration`` evaluations have fed it,
+
+        band = max(floor, factor × explained + path_factor × path_reference)
+
+    While it calibrates, only the gross rule runs. Without ``numerics_logps`` (a path that cannot compute ρ) the
+    band falls back to ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest gap that has
+    passed so far, likewise enforced after ``calibration`` evaluations. The calibrated terms follow slow growth, so
+    they catch a sudden, lasting jump of the gap (a stale or corrupted sampler), not a fault present from the first
+    evaluation below the gross ceiling, nor one that creeps in more slowly than the policy sharpens: the weight
+    checks (coverage, freshness, quant_parity) see those.
 
     An evaluation is *over* when gap > band. The check fails after ``persistence`` consecutive over-evaluations
-    (a one-batch spike passes), and at once on a non-finite gap or a gross excess
-    ``gap > max(log(max_ratio), gross_factor × band)``.
+    (a one-batch spike passes), and at once on a non-finite gap, a gross excess
+    ``gap > max(log(max_ratio), gross_factor × band)`` (band: the floor and the explained term while calibrating),
+    or a gross path term ``path > max(log(max_ratio), gross_factor × path_factor × path_reference)``.
     """
 
     def __init__(self, factor: float = LOGPROB_BAND_FACTOR, floor: float = LOGPROB_BAND_FLOOR,
                  persistence: int = LOGPROB_PERSISTENCE, gross_factor: float = LOGPROB_GROSS_FACTOR,
                  max_ratio: float = LOGPROB_MAX_RATIO, calibration: int = LOGPROB_CALIBRATION,
-                 fallback_factor: float = LOGPROB_FALLBACK_FACTOR):
+                 fallback_factor: float = LOGPROB_FALLBACK_FACTOR, path_factor: float = LOGPROB_PATH_FACTOR):
         self.factor, self.floor, self.max_ratio = factor, floor, max_ratio
         self.persistence = max(1, int(persistence))
-        self.gross_factor, self.fallback_factor = gross_factor, fallback_factor
+        self.gross_factor, self.fallback_factor, self.path_factor = gross_factor, fallback_factor, path_factor
         self.calibration = max(1, int(calibration))
         self.reference: float | None = None  # the largest gap that passed (the fallback's reference)
         self.evaluations = 0  # evaluations that fed the reference
+        self.path_reference: float | None = None  # the largest path term that passed after a verified sync
+        self.path_evaluations = 0  # evaluations that fed it
         self.over = 0  # consecutive over-band evaluations
 
-    def band(self, explained: float | None) -> tuple[float | None, str]:
-        """(the band, how it was derived) for this evaluation; (None, why) while the fallback calibrates."""
+    def band(self, explained: float | None, path: float | None = None) -> tuple[float | None, str]:
+        """(the band, how it was derived) for this evaluation; (None, why) while it calibrates."""
         if explained is not None:
-            scaled = self.factor * explained
+            if self.path_reference is None or self.path_evaluations < self.calibration:
+                return None, (f"the floor {self.floor:g} and numerics explain {explained:.4g} × {self.factor:g} (path "
+                              f"calibrating {self.path_evaluations}/{self.calibration})")
+            scaled = self.factor * explained + self.path_factor * self.path_reference
+            said = (f"numerics explain {explained:.4g} × {self.factor:g} + sampler path "
+                    f"{self.path_reference:.4g} × {self.path_factor:g}")
             if scaled >= self.floor:
-                return scaled, f"numerics explain {explained:.4g} × {self.factor:g}"
-            return self.floor, (f"floor {self.floor:g} (numerics explain {explained:.4g} × {self.factor:g} = "
-                                f"{scaled:.4g})")
+                return scaled, said
+            return self.floor, f"floor {self.floor:g} ({said} = {scaled:.4g})"
         if self.reference is None or self.evaluations < self.calibration:
             return None, f"the floor {self.floor:g} (no numerics logprobs; fallback calibrating {self.evaluations}/" \
                          f"{self.calibration})"
@@ -248,88 +268,167 @@ class LogprobBand:
         return self.floor, (f"floor {self.floor:g} (no numerics logprobs: largest passing gap {self.reference:.4g} × "
                             f"{self.fallback_factor:g} = {scaled:.4g})")
 
-    def check(self, learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, step: int,
-              numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None) -> CheckResult:
-        """``numerics_mask``: the tokens ``numerics_logps`` cover (default ``mask``): the numerics reference may be
-        measured on a few rollouts of the batch. The gap is *reported* over ``mask`` (``logp_gap_mean``) and *judged*
-        on the tokens the reference covers (the same tokens on both sides of the comparison)."""
-        return self.judge(logprob_stats(learner_logps, sampler_logps, mask, numerics_logps, numerics_mask), step)
+    def path_ceiling(self) -> float | None:
+        """The path term's own gross ceiling once calibrated: a sampler that suddenly computes far from the
+        learner's weights (a stale or corrupted copy) fails at once even where precision explains a wide band."""
+        if self.path_reference is None or self.path_evaluations < self.calibration:
+            return None
+        return max(math.log(self.max_ratio), self.gross_factor * self.path_factor * self.path_reference)
 
-    def judge(self, stats: dict, step: int) -> CheckResult:
+    def check(self, learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, step: int,
+              numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None,
+              verified: bool | None = None) -> CheckResult:
+        """``numerics_mask``: the tokens ``numerics_logps`` cover (default ``mask``): the reference may be measured on
+        a few rollouts of the batch. The gap is *reported* over ``mask`` (``logp_gap_mean``) and *judged* on the
+        tokens the reference covers (the same tokens on both sides of the comparison)."""
+        stats = logprob_stats(learner_logps, sampler_logps, mask, numerics_logps, numerics_mask)
+        return self.judge(stats, step, verified)
+
+    def judge(self, stats: dict, step: int, verified: bool | None = None) -> CheckResult:
         """Judge the token statistics of :func:`logprob_stats` — one rank's, or every rank's reduced with
-        :data:`LOGPROB_STAT_OPS` (the band then judges the global batch, identically on every rank)."""
+        :data:`LOGPROB_STAT_OPS` (the band then judges the global batch, identically on every rank). ``verified``:
+        False when the sync before these rollouts was not verified bitwise (its path term calibrates nothing)."""
         name = "logprob_agreement"
         if stats["count"] == 0:
             return CheckResult(name, True)
         gap, worst = stats["sum"] / stats["count"], stats["max"]
         metrics = {"logp_gap_mean": gap, "logp_gap_max": worst}
+        metrics.update(ratio_metrics(stats))
         if not math.isfinite(gap):
             self.over += 1
             return CheckResult(name, False, f"non-finite mean |logπ_learner − logμ_sampler| ({gap}) at step {step}",
                                metrics)
-        explained = None
+        explained = path = None
         if stats["numerics"]:
-            explained = stats["explained_sum"] / stats["covered"] if stats["covered"] else float("nan")
-            if math.isfinite(explained):
+            covered = stats["covered"]
+            explained = stats["explained_sum"] / covered if covered else float("nan")
+            path = stats["path_sum"] / covered if covered else float("nan")
+            if math.isfinite(explained) and math.isfinite(path):
                 metrics["logp_gap_numerics"] = explained
+                metrics["logp_gap_path"] = path
                 if stats["partial"]:  # judge the gap on the tokens the reference covers
-                    gap = stats["judged_sum"] / stats["covered"]
+                    gap = stats["judged_sum"] / covered
                     metrics["logp_gap_judged"] = gap
-            else:  # the learner's own low-precision forward overflowed: no explanation on this batch
-                explained = None
-        limit, derivation = self.band(explained)
-        used = self.floor if limit is None else limit  # while the fallback calibrates, only the gross rule runs
+            else:  # the reference's low-precision forward overflowed: no explanation on this batch
+                explained = path = None
+        limit, derivation = self.band(explained, path)
+        used = limit if limit is not None else max(self.floor, self.factor * explained if explained else 0.0)
         ceiling = max(math.log(self.max_ratio), self.gross_factor * used)
         if limit is not None:
             metrics["logp_gap_limit"] = limit
+            metrics["logp_over_band_frac"] = over_fraction(stats, limit)
         where = f" at masked token {stats['where']}" if stats.get("where") is not None else ""
         said = f"mean |logπ_learner − logμ_sampler| {gap:.4g} at step {step} (max gap {worst:.4g}{where})"
+        if explained is not None:
+            said += f"; numerics explain {explained:.4g}, the sampler's path adds {path:.4g}"
         if gap > ceiling:
             self.over += 1
             return CheckResult(
                 name, False,
-                f"{said} exceeds the gross ceiling {ceiling:.4g} = max(log {self.max_ratio:g}, "
+                f"{said}: exceeds the gross ceiling {ceiling:.4g} = max(log {self.max_ratio:g}, "
                 f"{self.gross_factor:g} × band {used:.4g}); band from {derivation}: fails at once (consecutive "
                 f"over-band evaluations: {self.over})", metrics)
+        path_ceiling = self.path_ceiling()
+        if path is not None and path_ceiling is not None and path > path_ceiling:
+            self.over += 1
+            return CheckResult(
+                name, False,
+                f"{said}: the sampler's path term {path:.4g} exceeds its gross ceiling {path_ceiling:.4g} = "
+                f"max(log {self.max_ratio:g}, {self.gross_factor:g} × {self.path_factor:g} × calibrated path "
+                f"{self.path_reference:.4g}): fails at once", metrics)
         if limit is not None and gap > limit:
             self.over += 1
             if self.over >= self.persistence:
                 return CheckResult(
                     name, False,
-                    f"{said} exceeds the band {limit:.4g} ({derivation}) for {self.over} consecutive evaluations "
+                    f"{said}: exceeds the band {limit:.4g} ({derivation}) for {self.over} consecutive evaluations "
                     f"(fails after {self.persistence})", metrics)
             return CheckResult(name, True, metrics=metrics)
         self.over = 0
         self.reference = gap if self.reference is None else max(self.reference, gap)
         self.evaluations += 1
+        if path is not None and verified is not False:
+            self.path_reference = path if self.path_reference is None else max(self.path_reference, path)
+            self.path_evaluations += 1
         return CheckResult(name, True, metrics=metrics)
 
 
-# How each entry of :func:`logprob_stats` combines over ranks.
-LOGPROB_STAT_OPS = {"sum": "sum", "count": "sum", "max": "max", "explained_sum": "sum", "judged_sum": "sum",
-                    "covered": "sum", "numerics": "max", "partial": "max"}
+# |Δ logp| histogram of the logprob check: log-spaced bins, so the fraction of tokens over a band is exact to one bin
+# (a ratio of 10^(1/HIST_PER_DECADE) ≈ 1.047) and ranks add their counts.
+HIST_LOW, HIST_DECADES, HIST_PER_DECADE = 1e-5, 7, 50
+HIST_BINS = HIST_DECADES * HIST_PER_DECADE + 2  # + one below HIST_LOW, one at or above HIST_LOW × 10^HIST_DECADES
+
+
+def delta_histogram(deltas: torch.Tensor) -> list[float]:
+    """Counts of ``deltas`` (>= 0) per bin: bin 0 below HIST_LOW, bin k for [HIST_LOW·10^((k−1)/m), ·10^(k/m))."""
+    d = deltas.detach().double().clamp_min(HIST_LOW / 10)
+    k = torch.floor(torch.log10(d / HIST_LOW) * HIST_PER_DECADE).long() + 1
+    k = k.clamp(0, HIST_BINS - 1).cpu()
+    return torch.bincount(k, minlength=HIST_BINS).double().tolist()
+
+
+def over_fraction(stats: dict, limit: float) -> float:
+    """Fraction of the masked tokens whose |Δ logp| exceeds ``limit`` (counted from the bin holding ``limit`` up)."""
+    hist, count = stats.get("hist"), stats["count"]
+    if not hist or not count:
+        return 0.0
+    first = 0 if limit < HIST_LOW else min(HIST_BINS - 1, int(math.floor(math.log10(limit / HIST_LOW)
+                                                                            * HIST_PER_DECADE)) + 1)
+    return float(sum(hist[first + 1:])) / count
+
+
+def ratio_metrics(stats: dict) -> dict:
+    """Importance-ratio statistics as TRL's ``vllm_importance_sampling_*`` options use them: per token
+    ``exp(logπ − logμ)`` and per sequence ``exp(Σ_t (logπ − logμ))``, min / mean / max."""
+    out = {}
+    if stats.get("count"):
+        out.update(is_ratio_token_min=stats["ratio_min"], is_ratio_token_mean=stats["ratio_sum"] / stats["count"],
+                   is_ratio_token_max=stats["ratio_max"])
+    if stats.get("seqs"):
+        out.update(is_ratio_seq_min=stats["seq_ratio_min"], is_ratio_seq_mean=stats["seq_ratio_sum"] / stats["seqs"],
+                   is_ratio_seq_max=stats["seq_ratio_max"])
+    return out
+
+
+# How each entry of :func:`logprob_stats` combines over ranks ("hist": element-wise sum).
+LOGPROB_STAT_OPS = {"sum": "sum", "count": "sum", "max": "max", "explained_sum": "sum", "path_sum": "sum",
+                    "judged_sum": "sum", "covered": "sum", "numerics": "max", "partial": "max", "ratio_sum": "sum",
+                    "ratio_min": "min", "ratio_max": "max", "seq_ratio_sum": "sum", "seq_ratio_min": "min",
+                    "seq_ratio_max": "max", "seqs": "sum"}
 
 
 def logprob_stats(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
                   numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None) -> dict:
     """Token sums of the logprob check on one batch: |learner − sampler| over ``mask`` (sum, count, max, where the
-    max is), and over the tokens the numerics reference covers the |learner − numerics| and |learner − sampler|
-    sums. Sums, counts and maxima, so that ranks combine them exactly (:data:`LOGPROB_STAT_OPS`)."""
+    max is, a histogram), the importance ratios, and over the tokens the reference covers the |learner − ρ|,
+    |ρ − sampler| and |learner − sampler| sums. Sums, counts, minima and maxima, so that ranks combine them exactly
+    (:data:`LOGPROB_STAT_OPS`)."""
     learner = learner_logps.float()
     mask = mask.bool().to(learner.device)
-    full = (learner - sampler_logps.float().to(learner.device)).abs()
+    signed = learner - sampler_logps.float().to(learner.device)
+    full = signed.abs()
     diff = full[mask]
-    out = {"sum": 0.0, "count": 0, "max": 0.0, "explained_sum": 0.0, "judged_sum": 0.0, "covered": 0,
-           "numerics": 0, "partial": 0, "where": None}
+    out = {"sum": 0.0, "count": 0, "max": 0.0, "explained_sum": 0.0, "path_sum": 0.0, "judged_sum": 0.0,
+           "covered": 0, "numerics": 0, "partial": 0, "where": None, "ratio_sum": 0.0, "ratio_min": math.inf,
+           "ratio_max": -math.inf, "seq_ratio_sum": 0.0, "seq_ratio_min": math.inf, "seq_ratio_max": -math.inf,
+           "seqs": 0, "hist": [0.0] * HIST_BINS}
     if diff.numel() == 0:
         return out
+    ratio = torch.exp(signed.double()[mask])
+    rows = mask.any(dim=1)
+    seq = torch.exp((signed.double() * mask).sum(dim=1)[rows])
     out.update(sum=diff.double().sum().item(), count=int(diff.numel()), max=diff.max().item(),
-               where=int(torch.argmax(diff)))
+               where=int(torch.argmax(diff)), ratio_sum=ratio.sum().item(), ratio_min=ratio.min().item(),
+               ratio_max=ratio.max().item(), seq_ratio_sum=seq.sum().item(), seq_ratio_min=seq.min().item(),
+               seq_ratio_max=seq.max().item(), seqs=int(seq.numel()), hist=delta_histogram(diff))
     if numerics_logps is not None:
         covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device) & mask
-        explained = (learner - numerics_logps.float().to(learner.device)).abs()[covered]
+        reference = numerics_logps.float().to(learner.device)
+        explained = (learner - reference).abs()[covered]
+        path = (reference - sampler_logps.float().to(learner.device)).abs()[covered]
         out.update(numerics=1, partial=int(numerics_mask is not None), covered=int(explained.numel()),
-                   explained_sum=explained.double().sum().item(), judged_sum=full[covered].double().sum().item())
+                   explained_sum=explained.double().sum().item(), path_sum=path.double().sum().item(),
+                   judged_sum=full[covered].double().sum().item())
     return out
 
 

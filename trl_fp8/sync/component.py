@@ -1,17 +1,21 @@
 """The weight-sync checks as a trainer capability: config fields, the sampler and learner sides, the checks around
 every sync (Fair Cast's in-process sync, or TRL's vLLM sync), and the logprob-agreement state machine.
 
-The logprob check compares, on the tokens just generated, the learner's logprobs (π), the sampler's (μ) and the
-learner's at the sampler's precision (the gap numerics alone explain, measured on the same batch):
+The logprob check compares, on the tokens just generated, the learner's logprobs (π), the sampler's (μ) and a
+reference ρ: the learner's own weights computed the way the sampler computes (every op in the served dtype,
+autocast off), so |π − ρ| is what the sampler's precision explains and |ρ − μ| what its own path adds:
 
-- vLLM: μ comes with the rollouts and TRL computes π (``old_per_token_logps``);
-- the in-process twin: a logits processor records μ during ``generate`` (:class:`~trl_fp8.sync.logprobs.
-  SampledLogprobTap`), μ travels with the batch, and π comes from the first loss forward after the generation;
+- vLLM: μ comes with the rollouts and TRL computes π (``old_per_token_logps``); ρ is the learner with its
+  parameters cast to the engine's dtype;
+- the in-process twin (Fair Cast): a logits processor records μ during ``generate`` (:class:`~trl_fp8.sync.
+  logprobs.SampledLogprobTap`), μ travels with the batch, π comes from the first loss forward after the
+  generation, and ρ is the twin run with the learner's export in place of its own tensors;
+- fast QLoRA's rollout cache: as the twin, ρ from a cache built afresh from the learner's adapters;
 - otherwise (DUET's sampler, tools, beam search): the twin and the learner re-score a few rollouts.
 The gap is reported over every rollout compared (the whole generation batch with vLLM, as TRL's
-``sampling/sampling_logp_difference`` does; the first micro-batch in-process) and judged on the rollouts the
-numerics reference covers: one no-grad forward of the learner under autocast to the served dtype on at most
-:data:`LOGPROB_CHECK_ROWS` of them, so both sides of the comparison see the same tokens.
+``sampling/sampling_logp_difference`` does; the first micro-batch in-process) and judged on the rollouts ρ
+covers: one no-grad forward on at most :data:`LOGPROB_CHECK_ROWS` of them, so both sides of the comparison see
+the same tokens.
 """
 
 from __future__ import annotations
@@ -109,12 +113,18 @@ class SyncChecks(Capability):
         args = trainer.args
         checks = resolve_checks(args.sync_checks)
         serving = trainer.serving()
+        rollout = None
         if not trainer.use_vllm and (serving is None or serving.sampler is None):
-            logger.info("weight-sync checks: the in-process sampler is the learner itself; nothing to check.")
-            return False
+            rollout = next((r for c in trainer.capabilities.values() if (r := c.rollout_sampler(trainer)) is not None),
+                           None)
+            if rollout is None:
+                logger.info("weight-sync checks: the in-process sampler is the learner itself; nothing to check.")
+                return False
         self.trainer = trainer
-        learner = self._learner_side(trainer, serving)
-        if not trainer.use_vllm:
+        learner = LearnerSide(lambda: iter(()), {}) if rollout is not None else self._learner_side(trainer, serving)
+        if rollout is not None:
+            sampler = rollout
+        elif not trainer.use_vllm:
             sampler = serving.sampler
         elif trainer.vllm_mode == "colocate":
             sampler = VLLMColocateSampler(trainer.vllm_generation.llm, learner.shapes)
@@ -128,14 +138,21 @@ class SyncChecks(Capability):
         self.monitor = SyncMonitor(checks, sampler, learner, args.sync_check_interval, args.sync_check_action,
                                    record=lambda name, value: _trl.record_metric(trainer, name, value),
                                    ranks=ranks if self.distributed else None)
-        self.numerics_dtype = serving.dtype if serving is not None else (
-            torch.float16 if args.fp16 else torch.bfloat16)
+        self.numerics_dtype = serving.dtype if serving is not None else self._engine_dtype(trainer)
         self._tap = None
         self._sampler_logps = None
         self._pending = False  # a logprob check waits for the next loss forward
         if trainer.use_vllm:
             _trl.wrap_vllm_sync(trainer.vllm_generation, self._around_vllm_sync)
         return True
+
+    @staticmethod
+    def _engine_dtype(trainer) -> torch.dtype:
+        """The dtype a vLLM engine computes in (as it reports it; else what TRL's precision fields imply)."""
+        engine = _trl.vllm_engine_dtype(trainer.vllm_generation) if trainer.use_vllm else None
+        if engine is not None:
+            return numerics.torch_dtype(engine)
+        return torch.float16 if trainer.args.fp16 else torch.bfloat16
 
     @staticmethod
     def _learner_side(trainer, serving) -> LearnerSide:
@@ -182,11 +199,31 @@ class SyncChecks(Capability):
             logger.info("logprob check: the sampler's logprobs were not recorded (%s); re-scoring.", err)
             self._sampler_logps = None
 
+    def _reference(self, trainer):
+        """A context yielding the model that computes ρ — the learner's current weights, the way the sampler
+        computes (see :class:`~trl_fp8.sync.checks.LogprobBand`): declared by the capability that owns the sampler
+        (Fair Cast's twin with the export in it; fast QLoRA's rollout cache built afresh), else, for a vLLM engine,
+        the learner with its parameters in the engine's dtype. None under ZeRO-3 without a twin (the parameters
+        are partitioned: they cannot be swapped for a forward)."""
+        for capability in trainer.capabilities.values():
+            context = capability.sampler_numerics(trainer)
+            if context is not None:
+                return context
+        if self.collective_forward:
+            return None
+        learner = trainer.accelerator.unwrap_model(trainer.model)
+        return numerics.parameters_replaced(learner, numerics.cast_floating(learner.named_parameters(),
+                                                                            self.numerics_dtype))
+
     @torch.no_grad()
     def _numerics_logps(self, trainer, ids, attention, keep) -> torch.Tensor:
-        """The learner's logprobs at the sampler's precision: the gap numerics alone explain."""
-        with torch.autocast(ids.device.type, dtype=self.numerics_dtype):
-            return _trl.policy_logps(trainer, trainer.model, ids, attention, keep).float()
+        """ρ on the given rows: the learner's weights, computed in the sampler's dtype end to end (autocast off)."""
+        context = self._reference(trainer)
+        if context is None:  # ZeRO-3 without a twin: the learner under autocast to the served dtype (an approximation)
+            with torch.autocast(ids.device.type, dtype=self.numerics_dtype):
+                return _trl.policy_logps(trainer, trainer.model, ids, attention, keep).float()
+        with context as model, numerics.sampler_precision(model, ids.device.type):
+            return _trl.policy_logps(trainer, model, ids, attention, keep).float()
 
     def adjust_batch(self, trainer, output: dict) -> dict:
         sampler_logps, self._sampler_logps = self._sampler_logps, None

@@ -60,6 +60,8 @@ class LearnerSide:
 def supported_checks(sampler: Sampler) -> frozenset[str]:
     """The checks a sampler can feed, from what it declares."""
     out = set(C.CHECKS)
+    if not sampler.synced:  # nothing is synced into it (e.g. fast QLoRA's rollout cache, rebuilt per generation)
+        return frozenset({"logprob_agreement"})
     if not sampler.readable:
         out -= {"freshness", "quant_parity", "differential_oracle"}
     if not sampler.has_prefix_cache:
@@ -93,6 +95,7 @@ class SyncMonitor:
         self.compared: dict[str, int] = {}  # check -> evaluations that compared something
         self.not_applicable: dict[str, str] = {}  # check -> why it had nothing to compare (first reason)
         self.failures: list[C.CheckResult] = []
+        self.verified: bool | None = None  # the last sync verified bitwise by freshness (None: not checked)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -101,7 +104,8 @@ class SyncMonitor:
         band = self.band
         return {
             "syncs": self.syncs, "steps": self.steps,
-            "band": {"reference": band.reference, "evaluations": band.evaluations, "over": band.over},
+            "band": {"reference": band.reference, "evaluations": band.evaluations, "over": band.over,
+                     "path_reference": band.path_reference, "path_evaluations": band.path_evaluations},
             "compared": dict(self.compared), "not_applicable": dict(self.not_applicable),
             "failures": [[r.check, r.message] for r in self.failures],
         }
@@ -111,6 +115,9 @@ class SyncMonitor:
         band = state["band"]
         self.band.reference = None if band["reference"] is None else float(band["reference"])
         self.band.evaluations, self.band.over = int(band["evaluations"]), int(band["over"])
+        path = band.get("path_reference")  # absent in checkpoints of trl_fp8 <= 0.1's band: it calibrates afresh
+        self.band.path_reference = None if path is None else float(path)
+        self.band.path_evaluations = int(band.get("path_evaluations", 0))
         self.compared = {str(k): int(v) for k, v in state["compared"].items()}
         self.not_applicable = {str(k): str(v) for k, v in state["not_applicable"].items()}
         self.failures = [C.CheckResult(check, False, message) for check, message in state["failures"]]
@@ -156,7 +163,7 @@ class SyncMonitor:
         self.compared[result.check] = self.compared.get(result.check, 0) + 1
         self.record(f"sync/{result.check}", 1.0 if result.passed else 0.0)
         for key, value in result.metrics.items():
-            if key.startswith("logp_gap"):
+            if key.startswith(("logp_", "is_ratio_")):
                 self.record(f"sync/{key}", float(value))
         if result.passed:
             return
@@ -218,6 +225,7 @@ class SyncMonitor:
 
     def _after_sync(self, step: int, log: SyncLog) -> None:
         s, first = self.sampler, self.syncs == 0
+        self.verified = None  # whether this sync was verified bitwise (None: freshness did not run on it)
         self.syncs += 1
         due = (self.syncs - 1) % self.interval == 0
         manifest = s.manifest() if (first or due) and self.checks else {}
@@ -238,6 +246,8 @@ class SyncMonitor:
         if self.enabled("freshness"):
             sent = {n: t for n, t in log.tensors.items() if n in manifest}
             result = C.freshness(step, s.version(), sent, s.read, s.alias_reads(step))
+            if result.applicable:
+                self.verified = result.passed
             self.report(result)
             verified = sent if result.passed else None
         if self.enabled("quant_parity"):
@@ -268,7 +278,7 @@ class SyncMonitor:
         stats = C.logprob_stats(learner_logps, sampler_logps, mask, numerics_logps, numerics_mask)
         if self.ranks is not None:  # the global batch, the same judgement (and band state) on every rank
             stats = self.ranks.reduce_stats(stats)
-        self.report(self.band.judge(stats, step))
+        self.report(self.band.judge(stats, step, self.verified))
 
     def summary(self) -> dict:
         """What ran: per check, the evaluations that compared something, and the checks that never could."""

@@ -90,8 +90,11 @@ def agree(results: list[CheckResult], sent: dict[str, int] | None = None, step: 
 def reduce_stats(stats: dict, device=None) -> dict:
     """The logprob check's token statistics summed (maxed) over every rank."""
     keys = list(LOGPROB_STAT_OPS)
-    values = distributed.reduce_floats([float(stats[k]) for k in keys], [LOGPROB_STAT_OPS[k] for k in keys], device)
-    out = dict(zip(keys, values, strict=True))
+    hist = [float(v) for v in stats["hist"]]
+    values = distributed.reduce_floats([float(stats[k]) for k in keys] + hist,
+                                       [LOGPROB_STAT_OPS[k] for k in keys] + ["sum"] * len(hist), device)
+    out = dict(zip(keys, values[: len(keys)], strict=True))
+    out["hist"] = values[len(keys):]
     out["count"], out["covered"] = int(out["count"]), int(out["covered"])
     out["where"] = None  # a token index of one rank's batch means nothing globally
     return out
