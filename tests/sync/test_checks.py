@@ -287,3 +287,24 @@ def test_cache_hygiene():
     r = C.cache_hygiene(3, True, 2)
     assert not r.passed and "2 prefix-cache block(s)" in r.message and "step 3" in r.message
     assert "refused to reset" in C.cache_hygiene(3, False, 0).message
+
+
+def test_logprob_band_measures_the_reference_every_nth_evaluation_and_holds_it_between():
+    band = _band(reference_every=4)
+    assert band.reference_due()
+    _calibrate(band)  # evaluations 0..2 measure ρ
+    due = []
+    for step in range(3, 11):
+        due.append(band.reference_due())
+        if due[-1]:
+            r = _eval(band, 0.012, 0.01, step)
+        else:  # no ρ: judged on every token against the held precision term and the calibrated path term
+            r = _eval(band, 0.012, None, step)
+            assert r.metrics["logp_gap_numerics_held"] == pytest.approx(0.01, rel=1e-5)
+            assert r.metrics["logp_gap_limit"] == pytest.approx(2 * 0.01 + 3 * 0.002, rel=1e-5)
+        assert r.passed
+    assert due == [False, False, False, True, False, False, False, True]
+    for step in (11, 12):
+        assert _eval(band, 0.04, None, step).passed  # a fault between two measurements: over the held band
+    r = _eval(band, 0.04, None, 13)
+    assert not r.passed and "held from step 10" in r.message and "for 3 consecutive evaluations" in r.message

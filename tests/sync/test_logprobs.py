@@ -1,5 +1,7 @@
 """The in-process sampler's logprobs recorded during generate() equal a forward pass over the result."""
 
+import math
+
 import torch
 from transformers import LogitsProcessorList
 
@@ -37,3 +39,12 @@ def test_tap_rejects_a_bad_temperature():
 
     with pytest.raises(ValueError, match="temperature must be > 0"):
         SampledLogprobTap(0.0)
+
+
+def test_tap_table_is_the_rows_padded_with_zeros():
+    tap = SampledLogprobTap()
+    tap(torch.tensor([[5], [5]]), torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]])))
+    tap(torch.tensor([[5, 2], [5, 0]]), torch.log(torch.tensor([[0.2, 0.2, 0.6], [0.3, 0.3, 0.4]])))
+    table = tap.table([[2, 1], [0]])  # the second row stopped after its first token
+    assert table.shape == (2, 2)
+    assert torch.allclose(table, torch.tensor([[math.log(0.25), math.log(0.2)], [math.log(0.1), 0.0]]), atol=1e-6)

@@ -33,6 +33,7 @@ LOGPROB_MAX_RATIO = 1.05  # ... (the gross ceiling never drops below exp(mean ga
 LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
 LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
 LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (its decoding and kernels) may add this multiple of its calibration
+LOGPROB_REFERENCE_EVERY = 4  # after calibration, ρ is measured on every 4th evaluation; between, its terms are held
 
 
 class WeightSyncError(RuntimeError):
@@ -219,8 +220,10 @@ class LogprobBand:
 
         band = max(floor, factor × explained + path_factor × path_reference)
 
-    While it calibrates, only the gross rule runs. Without ``numerics_logps`` (a path that cannot compute ρ) the
-    band falls back to ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest gap that has
+    While it calibrates, only the gross rule runs. ρ costs a forward, so once calibrated it is measured on every
+    ``reference_every``-th evaluation (:meth:`reference_due`); an evaluation without it is judged on all its tokens
+    against the band of the last measured precision term (*held*). Without ``numerics_logps`` ever (a path that
+    cannot compute ρ) the band falls back to ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest gap that has
     passed so far, likewise enforced after ``calibration`` evaluations. The calibrated terms follow slow growth, so
     they catch a sudden, lasting jump of the gap (a stale or corrupted sampler), not a fault present from the first
     evaluation below the gross ceiling, nor one that creeps in more slowly than the policy sharpens: the weight
@@ -235,7 +238,8 @@ class LogprobBand:
     def __init__(self, factor: float = LOGPROB_BAND_FACTOR, floor: float = LOGPROB_BAND_FLOOR,
                  persistence: int = LOGPROB_PERSISTENCE, gross_factor: float = LOGPROB_GROSS_FACTOR,
                  max_ratio: float = LOGPROB_MAX_RATIO, calibration: int = LOGPROB_CALIBRATION,
-                 fallback_factor: float = LOGPROB_FALLBACK_FACTOR, path_factor: float = LOGPROB_PATH_FACTOR):
+                 fallback_factor: float = LOGPROB_FALLBACK_FACTOR, path_factor: float = LOGPROB_PATH_FACTOR,
+                 reference_every: int = LOGPROB_REFERENCE_EVERY):
         self.factor, self.floor, self.max_ratio = factor, floor, max_ratio
         self.persistence = max(1, int(persistence))
         self.gross_factor, self.fallback_factor, self.path_factor = gross_factor, fallback_factor, path_factor
@@ -245,6 +249,16 @@ class LogprobBand:
         self.path_reference: float | None = None  # the largest path term that passed after a verified sync
         self.path_evaluations = 0  # evaluations that fed it
         self.over = 0  # consecutive over-band evaluations
+        self.reference_every = max(1, int(reference_every))
+        self.held: tuple[float, int] | None = None  # (explained, step) of the last evaluation that measured ρ
+        self.since_reference = 0  # evaluations judged since ρ was last measured
+
+    def reference_due(self) -> bool:
+        """Whether the next evaluation should measure ρ: every evaluation while the path term calibrates, then
+        every ``reference_every``-th (between them the last measured precision term is held)."""
+        if self.path_reference is None or self.path_evaluations < self.calibration or self.held is None:
+            return True
+        return self.since_reference + 1 >= self.reference_every
 
     def band(self, explained: float | None, path: float | None = None) -> tuple[float | None, str]:
         """(the band, how it was derived) for this evaluation; (None, why) while it calibrates."""
@@ -311,15 +325,26 @@ class LogprobBand:
                     metrics["logp_gap_judged"] = gap
             else:  # the reference's low-precision forward overflowed: no explanation on this batch
                 explained = path = None
+        held = False
+        if explained is not None:
+            self.held, self.since_reference = (explained, step), 0
+        else:
+            self.since_reference += 1
+            if self.held is not None and not stats["numerics"] and self.path_evaluations >= self.calibration:
+                explained, held = self.held[0], True  # ρ not measured on this evaluation: its last terms hold
         limit, derivation = self.band(explained, path)
+        if held:
+            derivation += f", held from step {self.held[1]}"
         used = limit if limit is not None else max(self.floor, self.factor * explained if explained else 0.0)
+        if held:
+            metrics["logp_gap_numerics_held"] = explained
         ceiling = max(math.log(self.max_ratio), self.gross_factor * used)
         if limit is not None:
             metrics["logp_gap_limit"] = limit
             metrics["logp_over_band_frac"] = over_fraction(stats, limit)
         where = f" at masked token {stats['where']}" if stats.get("where") is not None else ""
         said = f"mean |logπ_learner − logμ_sampler| {gap:.4g} at step {step} (max gap {worst:.4g}{where})"
-        if explained is not None:
+        if explained is not None and not held:
             said += f"; numerics explain {explained:.4g}, the sampler's path adds {path:.4g}"
         if gap > ceiling:
             self.over += 1

@@ -207,7 +207,7 @@ class SyncChecks(Capability):
         if tap is None:
             return
         try:
-            self._sampler_logps = tap.per_row(completion_ids)
+            self._sampler_logps = tap.table(completion_ids)  # [rows, steps]: no per-token Python work
         except ValueError as err:  # the recorded steps do not line up with the rollouts: re-score instead
             logger.info("logprob check: the sampler's logprobs were not recorded (%s); re-scoring.", err)
             self._sampler_logps = None
@@ -253,9 +253,9 @@ class SyncChecks(Capability):
         elif recorded:
             # μ travels with the batch; π comes from the loss forward (see on_policy_logps)
             width = output["completion_ids"].size(1)
-            padded = torch.zeros(len(sampler_logps), width, dtype=torch.float32)
-            for i, row in enumerate(sampler_logps):
-                padded[i, : min(len(row), width)] = torch.tensor(row[:width], dtype=torch.float32)
+            padded = torch.zeros(len(sampler_logps), width, dtype=torch.float32, device=sampler_logps.device)
+            keep = min(width, sampler_logps.size(1))
+            padded[:, :keep] = sampler_logps[:, :keep]  # past a completion: masked out by completion_mask
             output[SAMPLER_LOGPS_KEY] = padded.to(output["completion_ids"].device)
             self._pending = True
         else:
@@ -293,8 +293,12 @@ class SyncChecks(Capability):
         self._compare(trainer, inputs, logps.detach(), inputs[SAMPLER_LOGPS_KEY], rows)
 
     def _compare(self, trainer, batch: dict, learner: torch.Tensor, sampler: torch.Tensor, rows: torch.Tensor) -> None:
-        """The gap on every rollout of ``batch``; the numerics reference on ``rows`` (one small extra forward)."""
+        """The gap on every rollout of ``batch``; ρ on ``rows`` (one small extra forward) when the band asks for it
+        (every evaluation while it calibrates, then every ``LOGPROB_REFERENCE_EVERY``-th; the same on every rank)."""
         mask = batch["completion_mask"]
+        if not self.monitor.band.reference_due():
+            self.monitor.after_generation(trainer.state.global_step, learner, sampler, mask)
+            return
         ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], dim=1)
         attention = torch.cat([batch["prompt_mask"][rows], mask[rows]], dim=1)
         numerics_logps = torch.zeros_like(learner, dtype=torch.float32)

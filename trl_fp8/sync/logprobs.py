@@ -32,15 +32,24 @@ class SampledLogprobTap:
             self._steps.append(self._previous.gather(1, tokens.unsqueeze(1).to(self._previous.device)).squeeze(1))
             self._previous = None
 
-    def per_row(self, completions: list[list[int]]) -> list[list[float]]:
-        """Logprobs of each row's sampled tokens, given the completions (each cut after its EOS, as TRL does)."""
+    def table(self, completions: list[list[int]]) -> torch.Tensor:
+        """``[rows, steps]`` float32 logprobs of the sampled tokens, on the tap's device; 0 past a row's completion
+        (each cut after its EOS, as TRL does)."""
         if self._previous is not None:  # the final step's token: no processor call followed it
             k = len(self._steps)
             self._collect(torch.tensor([c[k] if len(c) > k else 0 for c in completions],
                                        device=self._previous.device))
         if not self._steps:
-            return [[] for _ in completions]
-        table = torch.stack(self._steps, dim=1).cpu()
+            return torch.zeros(len(completions), 0)
+        table = torch.stack(self._steps, dim=1).float()
+        if table.size(0) != len(completions):
+            raise ValueError(f"the tap recorded {table.size(0)} rows for {len(completions)} completions")
         if any(len(c) > table.size(1) for c in completions):
             raise ValueError("the recorded logprobs are shorter than a completion: generate() did not run the tap")
+        lengths = torch.tensor([len(c) for c in completions], device=table.device)
+        return table.masked_fill(torch.arange(table.size(1), device=table.device)[None, :] >= lengths[:, None], 0.0)
+
+    def per_row(self, completions: list[list[int]]) -> list[list[float]]:
+        """Logprobs of each row's sampled tokens, given the completions (each cut after its EOS, as TRL does)."""
+        table = self.table(completions).cpu()
         return [table[i, : len(c)].tolist() for i, c in enumerate(completions)]
