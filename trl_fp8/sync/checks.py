@@ -33,7 +33,7 @@ LOGPROB_MAX_RATIO = 1.05  # ... (the gross ceiling never drops below exp(mean ga
 LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
 LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
 LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (its decoding and kernels) may add this multiple of its calibration
-LOGPROB_REFERENCE_EVERY = 4  # after calibration, ρ is measured on every 4th evaluation; between, its terms are held
+LOGPROB_REFERENCE_EVERY = 8  # after calibration, ρ is measured on every 8th evaluation; between, its terms are held
 
 
 class WeightSyncError(RuntimeError):
@@ -442,18 +442,22 @@ def logprob_stats(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask
     ratio = torch.exp(signed.double()[mask])
     rows = mask.any(dim=1)
     seq = torch.exp((signed.double() * mask).sum(dim=1)[rows])
-    out.update(sum=diff.double().sum().item(), count=int(diff.numel()), max=diff.max().item(),
-               where=int(torch.argmax(diff)), ratio_sum=ratio.sum().item(), ratio_min=ratio.min().item(),
-               ratio_max=ratio.max().item(), seq_ratio_sum=seq.sum().item(), seq_ratio_min=seq.min().item(),
-               seq_ratio_max=seq.max().item(), seqs=int(seq.numel()), hist=delta_histogram(diff))
+    d = diff.double()
+    scalars = [d.sum(), d.max(), torch.argmax(diff).double(), ratio.sum(), ratio.min(), ratio.max(), seq.sum(),
+               seq.min(), seq.max()]
     if numerics_logps is not None:
         covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device) & mask
         reference = numerics_logps.float().to(learner.device)
-        explained = (learner - reference).abs()[covered]
-        path = (reference - sampler_logps.float().to(learner.device)).abs()[covered]
-        out.update(numerics=1, partial=int(numerics_mask is not None), covered=int(explained.numel()),
-                   explained_sum=explained.double().sum().item(), path_sum=path.double().sum().item(),
-                   judged_sum=full[covered].double().sum().item())
+        explained = (learner - reference).abs()[covered].double()
+        path = (reference - sampler_logps.float().to(learner.device)).abs()[covered].double()
+        scalars += [explained.sum(), path.sum(), full[covered].double().sum(), torch.tensor(float(explained.numel()))]
+    values = torch.stack([v.to(torch.float64).cpu() for v in scalars]).tolist()  # one host transfer
+    out.update(sum=values[0], count=int(diff.numel()), max=values[1], where=int(values[2]), ratio_sum=values[3],
+               ratio_min=values[4], ratio_max=values[5], seq_ratio_sum=values[6], seq_ratio_min=values[7],
+               seq_ratio_max=values[8], seqs=int(seq.numel()), hist=delta_histogram(diff))
+    if numerics_logps is not None:
+        out.update(numerics=1, partial=int(numerics_mask is not None), explained_sum=values[9], path_sum=values[10],
+                   judged_sum=values[11], covered=int(values[12]))
     return out
 
 
