@@ -235,3 +235,34 @@ def test_duet_decodes_through_the_cache(tmp_path, demo_dir):
     trainer.train()
     assert trainer.capability("fast_qlora").cache.builds == 2
     assert min(_history(trainer, "qlora/cache_bytes")) > 0
+
+
+def test_the_rollout_cache_is_a_sampler_the_logprob_check_compares(tmp_path, demo_dir):
+    # the rollout cache decodes in bf16 (or fp32 with qlora_cache_dtype="float32") while the learner computes in fp32:
+    # a separate numerics path. The logprob check compares it on every generation, against a cache built afresh.
+    trainer = _trainer(tmp_path, demo_dir, max_steps=6, qlora_cache_dtype="bfloat16", sync_checks="default")
+    checks = trainer.capability("sync_checks")
+    assert checks is not None and checks.monitor.sampler.kind == "rollout cache"
+    assert checks.monitor.checks == ("logprob_agreement",)  # nothing is synced into it: the other checks cannot apply
+    trainer.train()
+    assert checks.monitor.failures == [] and checks.monitor.compared == {"logprob_agreement": 6}
+    gaps = _history(trainer, "sync/logp_gap_mean")
+    assert len(gaps) == 6 and all(0 < g < 0.05 for g in gaps)
+
+
+def test_a_stale_rollout_cache_is_caught_by_the_logprob_check(tmp_path, demo_dir):
+    trainer = _trainer(tmp_path, demo_dir, max_steps=12, learning_rate=2e-2, qlora_cache_dtype="float32",
+                       sync_checks=["logprob_agreement"])
+    cache = trainer.capability("fast_qlora").cache
+    frozen = {}
+    weight = type(cache)._weight
+
+    def stale_weight(self, layer):  # from step 4 on, the cache keeps serving the step-3 adapters
+        if trainer.state.global_step < 4 or id(layer) not in frozen:
+            frozen[id(layer)] = weight(self, layer)
+        return frozen[id(layer)]
+
+    cache._weight = stale_weight.__get__(cache)
+    with pytest.raises(trl_fp8.WeightSyncError, match=r"\[logprob_agreement\] mean \|logπ_learner − logμ_sampler\|"):
+        trainer.train()
+    assert trainer.state.global_step >= 4

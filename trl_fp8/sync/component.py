@@ -196,14 +196,31 @@ class SyncChecks(Capability):
 
     # -- the logprob check ---------------------------------------------------------------------------------------
     def logits_processors(self, trainer) -> list:
-        self._tap = None
+        """Starts the tap on the model about to generate (the twin, or the learner decoding through its rollout
+        cache): a forward hook, not a logits processor — transformers inspects every processor's signature at every
+        decoding step, which cost more than the tap itself. It is stopped by :meth:`after_generation` (or by the
+        next generation, should this one raise)."""
+        self._stop_tap()
         if not self.monitor.enabled("logprob_agreement") or trainer.tools or _trl.num_beams(trainer) > 1:
             return []  # beams reorder and prune rows: the check re-scores the finished rollouts instead
-        self._tap = SampledLogprobTap(trainer.temperature)  # the twin's logprob of each sampled token
-        return [self._tap]
+        serving = trainer.serving()
+        model = serving.sampler.model if serving is not None and serving.sampler is not None else \
+            trainer.accelerator.unwrap_model(trainer.model)
+        if hasattr(model, "get_base_model"):  # PEFT: generate() runs the underlying transformers model's forward
+            model = model.get_base_model()
+        self._tap = SampledLogprobTap(trainer.temperature)  # the sampler's logprob of each sampled token
+        self._tap_handle = model.register_forward_hook(self._tap.forward_hook, with_kwargs=True)
+        return []
+
+    def _stop_tap(self) -> SampledLogprobTap | None:
+        handle, self._tap_handle = getattr(self, "_tap_handle", None), None
+        if handle is not None:
+            handle.remove()
+        tap, self._tap = getattr(self, "_tap", None), None
+        return tap
 
     def after_generation(self, trainer, completion_ids) -> None:
-        tap, self._tap = self._tap, None
+        tap = self._stop_tap()
         if tap is None:
             return
         try:

@@ -23,8 +23,21 @@ class SampledLogprobTap:
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self._collect(input_ids[:, -1])
-        self._previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        scaled = scores.float() if self.temperature == 1.0 else scores.float() / self.temperature
+        self._previous = torch.log_softmax(scaled, dim=-1)  # a new tensor: later processors cannot change it
         return scores
+
+    def forward_hook(self, module, args, kwargs, output) -> None:
+        """The same record taken as a forward hook on the generating model (``register_forward_hook(...,
+        with_kwargs=True)``): each forward of ``generate`` sees the tokens sampled so far (the last column of its
+        ``input_ids``: the whole prompt at prefill, the new token after it) and returns the next-token logits."""
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, (tuple, list)) and output:
+            logits = output[0]
+        if input_ids is None or logits is None:
+            return
+        self(input_ids, logits[:, -1, :])
 
     def _collect(self, tokens: torch.Tensor) -> None:
         if self._previous is not None:
