@@ -32,7 +32,7 @@ LOGPROB_GROSS_FACTOR = 10.0  # a mean gap over max(log(LOGPROB_MAX_RATIO), this 
 LOGPROB_MAX_RATIO = 1.05  # ... (the gross ceiling never drops below exp(mean gap) = this)
 LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
 LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
-LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (its decoding and kernels) may add this multiple of its calibration
+LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (its decoding, its kernels) may reach this multiple of its calibration
 LOGPROB_REFERENCE_EVERY = 8  # after calibration, ρ is measured on every 8th evaluation; between, its terms are held
 
 
@@ -218,7 +218,10 @@ class LogprobBand:
     that passed on an evaluation whose sync was verified (bitwise freshness passed, or could not run), and once
     ``calibration`` evaluations have fed it,
 
-        band = max(floor, factor × explained + path_factor × path_reference)
+        band = max(floor, factor × explained, path_factor × path_reference)
+
+    (the gap is at most explained + path ≤ 2 × the larger of the two, so a factor of 3 leaves 1.5× headroom on
+    their sum).
 
     While it calibrates, only the gross rule runs. ρ costs a forward, so once calibrated it is measured on every
     ``reference_every``-th evaluation (:meth:`reference_due`); an evaluation without it is judged on all its tokens
@@ -232,7 +235,7 @@ class LogprobBand:
     An evaluation is *over* when gap > band. The check fails after ``persistence`` consecutive over-evaluations
     (a one-batch spike passes), and at once on a non-finite gap, a gross excess
     ``gap > max(log(max_ratio), gross_factor × band)`` (band: the floor and the explained term while calibrating),
-    or a gross path term ``path > max(log(max_ratio), gross_factor × path_factor × path_reference)``.
+    or a gross path term ``path > max(log(max_ratio), gross_factor × path_reference)``.
     """
 
     def __init__(self, factor: float = LOGPROB_BAND_FACTOR, floor: float = LOGPROB_BAND_FLOOR,
@@ -266,8 +269,8 @@ class LogprobBand:
             if self.path_reference is None or self.path_evaluations < self.calibration:
                 return None, (f"the floor {self.floor:g} and numerics explain {explained:.4g} × {self.factor:g} (path "
                               f"calibrating {self.path_evaluations}/{self.calibration})")
-            scaled = self.factor * explained + self.path_factor * self.path_reference
-            said = (f"numerics explain {explained:.4g} × {self.factor:g} + sampler path "
+            scaled = max(self.factor * explained, self.path_factor * self.path_reference)
+            said = (f"the larger of numerics explain {explained:.4g} × {self.factor:g} and sampler path "
                     f"{self.path_reference:.4g} × {self.path_factor:g}")
             if scaled >= self.floor:
                 return scaled, said
@@ -287,7 +290,7 @@ class LogprobBand:
         learner's weights (a stale or corrupted copy) fails at once even where precision explains a wide band."""
         if self.path_reference is None or self.path_evaluations < self.calibration:
             return None
-        return max(math.log(self.max_ratio), self.gross_factor * self.path_factor * self.path_reference)
+        return max(math.log(self.max_ratio), self.gross_factor * self.path_reference)
 
     def check(self, learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, step: int,
               numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None,
@@ -359,8 +362,8 @@ class LogprobBand:
             return CheckResult(
                 name, False,
                 f"{said}: the sampler's path term {path:.4g} exceeds its gross ceiling {path_ceiling:.4g} = "
-                f"max(log {self.max_ratio:g}, {self.gross_factor:g} × {self.path_factor:g} × calibrated path "
-                f"{self.path_reference:.4g}): fails at once", metrics)
+                f"max(log {self.max_ratio:g}, {self.gross_factor:g} × calibrated path {self.path_reference:.4g}): "
+                "fails at once", metrics)
         if limit is not None and gap > limit:
             self.over += 1
             if self.over >= self.persistence:
