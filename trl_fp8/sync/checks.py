@@ -225,7 +225,8 @@ class LogprobBand:
 
     While it calibrates, only the gross rule runs. ρ costs a forward, so once calibrated it is measured on every
     ``reference_every``-th evaluation (:meth:`reference_due`); an evaluation without it is judged on all its tokens
-    against the band of the last measured precision term (*held*). Without ``numerics_logps`` ever (a path that
+    against the band of the last measured precision term (*held*); over it, nothing fails yet: ρ is measured on the
+    next evaluation, and only measured evaluations count towards ``persistence``. Without ``numerics_logps`` ever (a path that
     cannot compute ρ) the band falls back to ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest gap that has
     passed so far, likewise enforced after ``calibration`` evaluations. The calibrated terms follow slow growth, so
     they catch a sudden, lasting jump of the gap (a stale or corrupted sampler), not a fault present from the first
@@ -255,11 +256,14 @@ class LogprobBand:
         self.reference_every = max(1, int(reference_every))
         self.held: tuple[float, int] | None = None  # (explained, step) of the last evaluation that measured ρ
         self.since_reference = 0  # evaluations judged since ρ was last measured
+        self.remeasure = False  # a held evaluation was over its band: measure ρ on the next one
 
     def reference_due(self) -> bool:
         """Whether the next evaluation should measure ρ: every evaluation while the path term calibrates, then
         every ``reference_every``-th (between them the last measured precision term is held)."""
         if self.path_reference is None or self.path_evaluations < self.calibration or self.held is None:
+            return True
+        if self.remeasure or self.over:  # the last evaluation was over its band: this one is judged on a measured ρ
             return True
         return self.since_reference + 1 >= self.reference_every
 
@@ -330,7 +334,7 @@ class LogprobBand:
                 explained = path = None
         held = False
         if explained is not None:
-            self.held, self.since_reference = (explained, step), 0
+            self.held, self.since_reference, self.remeasure = (explained, step), 0, False
         else:
             self.since_reference += 1
             if self.held is not None and not stats["numerics"] and self.path_evaluations >= self.calibration:
@@ -364,6 +368,11 @@ class LogprobBand:
                 f"{said}: the sampler's path term {path:.4g} exceeds its gross ceiling {path_ceiling:.4g} = "
                 f"max(log {self.max_ratio:g}, {self.gross_factor:g} × calibrated path {self.path_reference:.4g}): "
                 "fails at once", metrics)
+        if limit is not None and gap > limit and held:
+            # over a band whose precision term was measured on other rollouts, earlier: measure ρ on the next
+            # evaluation and judge there (a healthy batch can hold lower-probability tokens than the measured one)
+            self.remeasure = True
+            return CheckResult(name, True, metrics=metrics)
         if limit is not None and gap > limit:
             self.over += 1
             if self.over >= self.persistence:

@@ -106,7 +106,8 @@ class SyncMonitor:
             "syncs": self.syncs, "steps": self.steps,
             "band": {"reference": band.reference, "evaluations": band.evaluations, "over": band.over,
                      "path_reference": band.path_reference, "path_evaluations": band.path_evaluations,
-                     "held": None if band.held is None else list(band.held), "since_reference": band.since_reference},
+                     "held": None if band.held is None else list(band.held), "since_reference": band.since_reference,
+                     "remeasure": band.remeasure},
             "compared": dict(self.compared), "not_applicable": dict(self.not_applicable),
             "failures": [[r.check, r.message] for r in self.failures],
         }
@@ -122,6 +123,7 @@ class SyncMonitor:
         held = band.get("held")
         self.band.held = None if held is None else (float(held[0]), int(held[1]))
         self.band.since_reference = int(band.get("since_reference", 0))
+        self.band.remeasure = bool(band.get("remeasure", False))
         self.compared = {str(k): int(v) for k, v in state["compared"].items()}
         self.not_applicable = {str(k): str(v) for k, v in state["not_applicable"].items()}
         self.failures = [C.CheckResult(check, False, message) for check, message in state["failures"]]
