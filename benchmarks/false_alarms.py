@@ -144,7 +144,7 @@ def run_one(spec: dict, root: str, vllm: bool = False) -> dict:
         model = tiny_model_dir(root, spec["hidden"], spec["tied"], spec["model_seed"])
         rewards = [digit_reward, brevity_reward, correctness_reward]
     out_dir = tempfile.mkdtemp(dir=root, prefix="run-")
-    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
+    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,  # the demo model's positions
                   vllm_gpu_memory_utilization=0.2) if vllm else {}
     args = trl_fp8.GRPOConfig(
         output_dir=out_dir, use_cpu=True, report_to="none", disable_tqdm=True, save_strategy="no",

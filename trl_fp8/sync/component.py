@@ -7,8 +7,8 @@ autocast off), so |π − ρ| is what the sampler's precision explains and |ρ �
 
 - vLLM: μ comes with the rollouts and TRL computes π (``old_per_token_logps``); ρ is the learner with its
   parameters cast to the engine's dtype;
-- the in-process twin (Fair Cast): a logits processor records μ during ``generate`` (:class:`~trl_fp8.sync.
-  logprobs.SampledLogprobTap`), μ travels with the batch, π comes from the first loss forward after the
+- the in-process twin (Fair Cast): a forward hook on the generating model records μ during ``generate``
+  (:class:`~trl_fp8.sync.logprobs.SampledLogprobTap`), μ travels with the batch, π comes from the first loss forward after the
   generation, and ρ is the twin run with the learner's export in place of its own tensors;
 - fast QLoRA's rollout cache: as the twin, ρ from a cache built afresh from the learner's adapters;
 - otherwise (DUET's sampler, tools, beam search): the twin and the learner re-score a few rollouts.
@@ -152,7 +152,7 @@ class SyncChecks(Capability):
                                    record=lambda name, value: _trl.record_metric(trainer, name, value),
                                    ranks=ranks if self.distributed else None)
         self.numerics_dtype = serving.dtype if serving is not None else self._engine_dtype(trainer)
-        self._tap = None
+        self._tap = self._tap_handle = None
         self._sampler_logps = None
         self._pending = False  # a logprob check waits for the next loss forward
         if trainer.use_vllm:
