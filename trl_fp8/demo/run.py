@@ -30,7 +30,7 @@ class DemoSettings:
     ``max_steps``, ``prompts_per_step``, ``learning_rate`` and ``max_completion_length`` left at None, and
     ``duet_budget`` left at ``"auto"``, take the task's defaults (:class:`trl_fp8.demo.tasks.DemoTask`) when the
     settings are made: arithmetic 300 steps x 16 prompts, lr 1e-4, 16 tokens, DUET off; reasoning 30 steps x 8
-    prompts, lr 2e-5, 320 tokens, DUET at β = 0.5; chat_math (SmolLM2) 20 steps x 4 prompts, lr 2e-6, 96 tokens,
+    prompts, lr 2e-5, 320 tokens, DUET at β = 0.5; chat_math (SmolLM2) 12 steps x 2 prompts, lr 5e-6, 96 tokens,
     DUET off. ``duet_budget=None`` turns DUET off.
     """
 
