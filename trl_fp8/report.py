@@ -23,7 +23,7 @@ DEFAULT_PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("fair_cast_lag", "Fair Cast: served copy lag behind the master (steps)", ("fair_cast/lag_steps",)),
     ("fair_cast_visible", "Fair Cast: fraction of served weights changed per export",
      ("fair_cast/visible_update_frac",)),
-    ("sync_logprob_gap", "Weight sync: mean |logπ_learner − logμ_sampler| against the band it is judged by",
+    ("sync_logprob_gap", "Weight sync: mean |logπ − logμ| against its band",
      ("sync/logp_gap_mean", "sync/logp_gap_judged", "sync/logp_gap_numerics", "sync/logp_gap_path",
       "sync/logp_gap_limit")),
     ("duet_tokens", "DUET: rollout tokens per step", ("duet/tokens",)),

@@ -53,6 +53,9 @@ def test_default_demo_reward_rises(tmp_path):
     checks = summary["sync_checks"]  # the default weight-sync checks ran at every step and never failed
     assert checks["freshness"] == {"runs": summary["steps"], "failed": 0}
     assert checks["logprob_agreement"]["runs"] == summary["steps"] and checks["logprob_agreement"]["failed"] == 0
+    import trl_fp8.sync
+
+    assert set(checks) <= set(trl_fp8.sync.CHECKS)  # pass/fail records only, not the logprob figures (sync/logp_*)
     assert "weight-sync checks:" in format_summary(summary)
     assert "accuracy" in format_summary(summary)
 
@@ -76,7 +79,7 @@ def test_reasoning_run_config(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("task", "resoning", "task must be one of 'arithmetic', 'reasoning', got 'resoning'"),
+    ("task", "resoning", "task must be one of 'arithmetic', 'reasoning', 'chat_math', got 'resoning'"),
     ("duet_budget", "half", "duet_budget must be None"),
 ])
 def test_task_and_budget_validation_names_the_field(field, value, message):

@@ -201,10 +201,12 @@ def summarize(metrics_path: str | os.PathLike, key: str = "rewards/correctness_r
         first = sum(values[:n]) / n
         last = sum(values[-n:]) / n
         summary[name] = {"first_mean": first, "last_mean": last, "gain": last - first, "window": n}
+    from ..sync.checks import CHECKS
+
     checks = {}
     for record in records:
         for name, value in record.items():
-            if name.startswith("sync/") and not name.startswith("sync/logp_gap"):
+            if name.startswith("sync/") and name[5:] in CHECKS:  # pass/fail records, not the logprob figures
                 runs, failed = checks.get(name[5:], (0, 0))
                 checks[name[5:]] = (runs + 1, failed + (value < 1))
     if checks:
