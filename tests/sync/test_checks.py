@@ -155,9 +155,9 @@ def test_logprob_band_persistent_fault_fires_on_the_third_evaluation_not_before(
     r = _eval(band, 0.04, 0.01, 5)
     assert not r.passed
     assert r.message.startswith(
-        "mean |logπ_learner − logμ_sampler| 0.04 at step 5 (max gap 0.04 at masked token 0); numerics explain 0.01, "
-        "the sampler's path adds 0.03: exceeds the band 0.02 (the larger of numerics explain 0.01 × 2 and sampler path "
-        "0.002 × 3) "
+        "mean |logπ_learner − logμ_sampler| 0.04 at step 5 (max gap 0.04 at masked token 0); numerics explain "
+        "0.01, the sampler's path adds 0.03: exceeds the band 0.02 (the larger of numerics explain 0.01 × 2 and "
+        "sampler path 0.002 × 3) "
         "for 3 consecutive evaluations (fails after 3)"), r.message
     assert not _eval(band, 0.04, 0.01, 6).passed  # and keeps failing while the fault lasts (sync_check_action="warn")
     assert band.path_reference == pytest.approx(0.002, rel=1e-5)  # failing evaluations calibrate nothing

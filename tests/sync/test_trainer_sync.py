@@ -143,7 +143,9 @@ def test_logprob_agreement_catches_a_small_persistent_drift_on_its_third_evaluat
             sampler.read(embed).mul_(1.03)
 
     sampler.load = drifting_load
-    _fails(trainer, "logprob_agreement", "at step 6", "for 3 consecutive evaluations")
+    # by step 6 the path term has grown past its own gross ceiling (10 x its calibration); on the way it was over
+    # the band at steps 4 and 5 without failing (persistence)
+    _fails(trainer, "logprob_agreement", "at step 6", "the sampler's path term")
 
 
 def test_differential_oracle_catches_a_non_idempotent_load(tmp_path, demo_dir):

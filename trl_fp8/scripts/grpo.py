@@ -99,7 +99,7 @@ def check_script_args(script_args, model_args, dataset_args) -> None:
     """Raise ``ValueError`` for a missing model or dataset or an unknown reward function, before launching."""
     if not model_args.model_name_or_path:
         raise ValueError(
-            f"model_name_or_path is required (a Hub id, a local folder, or '{BUILTIN_MODEL}' / 'trl-fp8:smollm2')."
+            f"model_name_or_path is required (a Hub id, a local folder, '{BUILTIN_MODEL}' or 'trl-fp8:smollm2')."
         )
     if not (dataset_args.datasets or script_args.dataset_name):
         raise ValueError(f"Either `datasets` or `dataset_name` must be provided (e.g. '{BUILTIN_DATASET}').")

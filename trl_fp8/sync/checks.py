@@ -32,7 +32,7 @@ LOGPROB_GROSS_FACTOR = 10.0  # a mean gap over max(log(LOGPROB_MAX_RATIO), this 
 LOGPROB_MAX_RATIO = 1.05  # ... (the gross ceiling never drops below exp(mean gap) = this)
 LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
 LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
-LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (its decoding, its kernels) may reach this multiple of its calibration
+LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (decoding, kernels) may reach this multiple of its calibration
 LOGPROB_REFERENCE_EVERY = 8  # after calibration, ρ is measured on every 8th evaluation; between, its terms are held
 
 
@@ -209,8 +209,7 @@ class LogprobBand:
     weights, the way the sampler computes* (the learner's tensors as the sampler is meant to hold them, every op in
     the served dtype, autocast off). Since |π − μ| ≤ |π − ρ| + |ρ − μ| token by token, the gap splits into
 
-    - ``explained`` = mean |π − ρ|: what the sampler's precision alone produces on this very batch (measured on
-      every evaluation), and
+    - ``explained`` = mean |π − ρ|: what the sampler's precision alone produces on this very batch, and
     - ``path`` = mean |ρ − μ|: the same weights and dtype, computed by the sampler itself: its decoding path and
       kernels — and any fault (stale or corrupted weights, a wrong cache), since ρ never reads the sampler's state.
 
@@ -221,17 +220,17 @@ class LogprobBand:
         band = max(floor, factor × explained, path_factor × path_reference)
 
     (the gap is at most explained + path ≤ 2 × the larger of the two, so a factor of 3 leaves 1.5× headroom on
-    their sum).
+    their sum). While it calibrates, only the gross rule runs.
 
-    While it calibrates, only the gross rule runs. ρ costs a forward, so once calibrated it is measured on every
-    ``reference_every``-th evaluation (:meth:`reference_due`); an evaluation without it is judged on all its tokens
-    against the band of the last measured precision term (*held*); over it, nothing fails yet: ρ is measured on the
-    next evaluation, and only measured evaluations count towards ``persistence``. Without ``numerics_logps`` ever (a path that
-    cannot compute ρ) the band falls back to ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest gap that has
-    passed so far, likewise enforced after ``calibration`` evaluations. The calibrated terms follow slow growth, so
-    they catch a sudden, lasting jump of the gap (a stale or corrupted sampler), not a fault present from the first
-    evaluation below the gross ceiling, nor one that creeps in more slowly than the policy sharpens: the weight
-    checks (coverage, freshness, quant_parity) see those.
+    ρ costs a forward, so once calibrated it is measured on every ``reference_every``-th evaluation
+    (:meth:`reference_due`); an evaluation without it is judged on all its tokens against the band of the last
+    measured precision term (*held*). Over that band nothing fails yet: ρ is measured on the next evaluation, and
+    only measured evaluations count towards ``persistence``. Without ``numerics_logps`` ever (a path that cannot
+    compute ρ) the band falls back to ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest
+    gap that has passed so far, likewise enforced after ``calibration`` evaluations. The calibrated terms follow slow
+    growth, so they catch a sudden, lasting jump of the gap (a stale or corrupted sampler), not a fault present from
+    the first evaluation below the gross ceiling, nor one that creeps in more slowly than the policy sharpens: the
+    weight checks (coverage, freshness, quant_parity) see those.
 
     An evaluation is *over* when gap > band. The check fails after ``persistence`` consecutive over-evaluations
     (a one-batch spike passes), and at once on a non-finite gap, a gross excess

@@ -8,8 +8,8 @@ autocast off), so |π − ρ| is what the sampler's precision explains and |ρ �
 - vLLM: μ comes with the rollouts and TRL computes π (``old_per_token_logps``); ρ is the learner with its
   parameters cast to the engine's dtype;
 - the in-process twin (Fair Cast): a forward hook on the generating model records μ during ``generate``
-  (:class:`~trl_fp8.sync.logprobs.SampledLogprobTap`), μ travels with the batch, π comes from the first loss forward after the
-  generation, and ρ is the twin run with the learner's export in place of its own tensors;
+  (:class:`~trl_fp8.sync.logprobs.SampledLogprobTap`), μ travels with the batch, π comes from the first loss
+  forward after the generation, and ρ is the twin run with the learner's export in place of its own tensors;
 - fast QLoRA's rollout cache: as the twin, ρ from a cache built afresh from the learner's adapters;
 - otherwise (DUET's sampler, tools, beam search): the twin and the learner re-score a few rollouts.
 The gap is reported over every rollout compared (the whole generation batch with vLLM, as TRL's
@@ -233,14 +233,16 @@ class SyncChecks(Capability):
         """A context yielding the model that computes ρ — the learner's current weights, the way the sampler
         computes (see :class:`~trl_fp8.sync.checks.LogprobBand`): declared by the capability that owns the sampler
         (Fair Cast's twin with the export in it; fast QLoRA's rollout cache built afresh), else, for a vLLM engine,
-        the learner with its parameters in the engine's dtype. None under ZeRO-3 without a twin (the parameters
-        are partitioned: they cannot be swapped for a forward)."""
+        the learner with its parameters in the engine's dtype. None under ZeRO-3 (partitioned parameters cannot be
+        swapped for a forward, and TRL's fused lm head gathers only DeepSpeed's own)."""
+        if self.collective_forward:
+            # ZeRO-3: TRL's fused lm head gathers its weight by DeepSpeed's parameter status, which neither the twin's
+            # parameters nor swapped-in tensors carry; the learner's own forward is the one that gathers
+            return None
         for capability in trainer.capabilities.values():
             context = capability.sampler_numerics(trainer)
             if context is not None:
                 return context
-        if self.collective_forward:
-            return None
         learner = trainer.accelerator.unwrap_model(trainer.model)
         return numerics.parameters_replaced(learner, numerics.cast_floating(learner.named_parameters(),
                                                                             self.numerics_dtype))
