@@ -39,12 +39,16 @@ EMBEDDED = {"trl-fp8:demo-model": ("demo_model", "examples/train_demo_model.py")
             "trl-fp8:reasoning-model": ("reasoning_model", "examples/train_reasoning_model.py")}
 
 
+def embedded_model_path(folder: Path, what: str, script: str) -> str:
+    """``folder`` as a string for ``from_pretrained``; a clear error naming ``script`` when it is missing."""
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"The embedded {what} is missing from {folder}. Rebuild it with `python {script}`.")
+    return str(folder)
+
+
 def _embedded_path(name: str) -> str:
     folder, script = EMBEDDED[name]
-    path = ASSETS / folder
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"The embedded model {name} is missing from {path}. Rebuild it with `python {script}`.")
-    return str(path)
+    return embedded_model_path(ASSETS / folder, f"model {name}", script)
 
 
 def names() -> tuple[str, ...]:

@@ -19,17 +19,11 @@ from pathlib import Path
 
 import torch
 
+from ..models import embedded_model_path
 from ..tasks.arithmetic import correctness_reward, make_problem, target_completion
 from ..tokenization import build_char_tokenizer
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
-
-
-def embedded_model_path(folder: Path, what: str, script: str) -> str:
-    """``folder`` as a string for ``from_pretrained``; a clear error naming ``script`` when it is missing."""
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"The embedded {what} is missing from {folder}. Rebuild it with `python {script}`.")
-    return str(folder)
 
 
 def demo_model_path() -> str:

@@ -26,7 +26,8 @@ from ..tasks.reasoning import (
     make_problem,
     target_completion,
 )
-from .model import char_qwen2_config, embedded_model_path, generate_completions, save_model_folder, warm_up
+from ..models import embedded_model_path
+from .model import char_qwen2_config, generate_completions, save_model_folder, warm_up
 
 REASONING_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "reasoning_model"
 # Completion cap of the task: the longest target (14 terms) is ~155 characters; off-track rollouts run to the cap,
