@@ -308,3 +308,108 @@ def test_transient_folders_stay_out_of_the_background_hub_upload_of_output_dir()
                  f"{ck.TMP_PREFIX}replaced-checkpoint-4/sub/adapter_model.safetensors"]
     # the patterns transformers' _push_from_checkpoint uploads output_dir with (fingerprinted in the contract test)
     assert list(filter_repo_objects([*transient, "README.md"], ignore_patterns=["_*", "checkpoint-*"])) == ["README.md"]
+
+
+# -- edges: failed fsyncs and deletes, damaged records, another number of processes --------------------------------
+def test_a_folder_fsync_that_fails_is_raised_one_the_filesystem_cannot_do_is_skipped(tmp_path, monkeypatch):
+    import errno
+
+    def fsync(fd, code):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(ck.os, "fsync", lambda fd: fsync(fd, errno.EIO))
+    with pytest.raises(OSError, match=f"fsync of the folder {tmp_path} failed .*may not be on disk"):
+        ck._fsync_dir(str(tmp_path))
+    monkeypatch.setattr(ck.os, "fsync", lambda fd: fsync(fd, errno.EINVAL))
+    ck._fsync_dir(str(tmp_path))  # a filesystem without folder fsync: as before, nothing to do
+
+
+def test_a_rotation_delete_that_fails_says_so(tmp_path, monkeypatch, caplog):
+    for step in (1, 2, 3):
+        _marked(tmp_path, step)
+
+    def rmtree(path, onerror=None, onexc=None, **kw):  # a read-only or busy file deep inside
+        err = PermissionError(13, "Permission denied")
+        if onexc is not None:
+            onexc(os.unlink, os.path.join(path, "model.safetensors"), err)
+        else:
+            onerror(os.unlink, os.path.join(path, "model.safetensors"), (PermissionError, err, None))
+
+    monkeypatch.setattr(ck.shutil, "rmtree", rmtree)
+    with caplog.at_level(logging.WARNING, logger="trl_fp8.checkpoints"):
+        removed = ck.rotate(str(tmp_path), 1, None, os.path.join(tmp_path, "checkpoint-3"))
+    assert len(removed) == 2
+    assert "could not remove" in caplog.text and "_tmp-deleting-checkpoint-1" in caplog.text
+    assert "Permission denied" in caplog.text and "deleted by hand" in caplog.text
+
+
+@pytest.mark.parametrize("files", [["model.safetensors"], "model.safetensors", {"model.safetensors": "7"}, None])
+def test_a_marker_that_does_not_list_files_with_sizes_means_incomplete(tmp_path, files):
+    final = _marked(tmp_path, 5)
+    with open(os.path.join(final, ck.MARKER), "w") as f:
+        json.dump({"format": 1, "global_step": 5, "files": files}, f)
+    verdict = ck.check_complete(final)
+    assert not verdict.complete and verdict.marked
+    assert "does not list files" in verdict.reason or "unreadable" in verdict.reason
+    newest = _marked(tmp_path, 6)
+    assert ck.rotate(str(tmp_path), 1, None, newest) == []  # right after a good save: no AttributeError
+
+
+def _stub_trainer(world_size=1, capabilities=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(args=SimpleNamespace(world_size=world_size), capabilities=capabilities or {})
+
+
+def test_an_unreadable_settings_file_is_refused_naming_it(tmp_path):
+    folder = _marked(tmp_path, 2)
+    with open(os.path.join(folder, ck.SETTINGS), "w") as f:
+        f.write('{"fields": {"duet": tr')  # cut mid-write by something other than trl_fp8
+    with pytest.raises(ValueError, match=f"Cannot resume from {folder}: its {ck.SETTINGS} is unreadable"):
+        ck.check_settings(_stub_trainer(), folder)
+    with open(os.path.join(folder, ck.SETTINGS), "w") as f:
+        json.dump(["not", "a", "record"], f)
+    with pytest.raises(ValueError, match="is not a trl_fp8 settings record"):
+        ck.check_settings(_stub_trainer(), folder)
+
+
+def test_a_resume_between_generations_with_another_number_of_processes_is_refused(tmp_path):
+    folder = _marked(tmp_path, 4)
+    for rank in (0, 1):
+        torch.save({"step": 1}, os.path.join(folder, f"grpo_generation_state_{rank}.pt"))
+    with open(os.path.join(folder, ck.SETTINGS), "w") as f:
+        json.dump({"format": 1, "world_size": 2, "fields": {}}, f)
+    ck.check_world_size(2, folder, 2)  # the same number: fine
+    for now in (1, 4):
+        with pytest.raises(ValueError, match=rf"with {now} process\(es\): it was saved by 2 between two generations"
+                                             r".*grpo_generation_state_0.pt, grpo_generation_state_1.pt"):
+            ck.check_settings(_stub_trainer(world_size=now), folder)
+    os.remove(os.path.join(folder, ck.SETTINGS))  # written before the world size was recorded: the files tell
+    with pytest.raises(ValueError, match="saved by 2 between two generations"):
+        ck.check_world_size(None, folder, 1)
+    for rank in (0, 1):  # at a generation boundary there is no buffer: any number of processes may resume
+        os.remove(os.path.join(folder, f"grpo_generation_state_{rank}.pt"))
+    ck.check_world_size(2, folder, 3)
+
+
+def test_the_settings_record_the_number_of_processes(tmp_path, tiny_model_dir):
+    trainer = _trainer(tmp_path, tiny_model_dir, max_steps=1)
+    trainer.train()
+    with open(os.path.join(trainer.args.output_dir, "checkpoint-1", ck.SETTINGS)) as f:
+        assert json.load(f)["world_size"] == 1
+
+
+def test_a_state_file_that_does_not_load_names_the_checkpoint_and_the_capability(tmp_path):
+    from trl_fp8.components import Capability
+
+    class Stateful(Capability):
+        name = "duet"
+        state_file = "duet_state.pt"
+
+    folder = _marked(tmp_path, 3)
+    with open(os.path.join(folder, "duet_state.pt"), "wb") as f:
+        f.write(b"PK\x03\x04 cut short")
+    trainer = _stub_trainer(capabilities={"duet": Stateful.__new__(Stateful)})
+    with pytest.raises(ValueError, match=rf"Cannot resume from {folder}: the duet state \(duet_state.pt\) does not "
+                                         "load"):
+        ck.load_states(trainer, folder)

@@ -121,6 +121,7 @@ def test_vllm_attributes_are_still_set_by_trl():
     assert not missing, f"TRL no longer sets {missing}"
 
 
+@pytest.mark.vllm  # runs in .venv-vllm (`make test-vllm`, `-m vllm`)
 def test_patched_module_globals_exist():
     vllm = pytest.importorskip("vllm")
     assert vllm
@@ -134,6 +135,7 @@ def test_patched_module_globals_exist():
     assert not moved, moved
 
 
+@pytest.mark.vllm  # runs in .venv-vllm (`make test-vllm`, `-m vllm`)
 def test_the_vllm_engine_calls_of_duet_exist():
     # trl_fp8.duet.vllm steps a colocated engine itself (through _trl.vllm_add_request / vllm_step / vllm_abort and
     # vllm_delta_params); the real-engine tests (tests/duet/test_vllm.py) run them

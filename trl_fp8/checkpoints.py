@@ -33,12 +33,14 @@ is there — transformers writes ``trainer_state.json`` after the model, optimiz
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import re
 import shutil
+import sys
 from dataclasses import MISSING, dataclass, fields
 
 import torch
@@ -70,18 +72,42 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
+# What a filesystem answers when it cannot fsync a folder at all (not a failed write): skipped, like Windows.
+_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EISDIR}
+
+
 def _fsync_dir(path: str) -> None:
-    """fsync a folder (its entries: new, renamed and removed names). A no-op where folders cannot be opened."""
+    """fsync a folder (its entries: new, renamed and removed names). A no-op where folders cannot be opened or the
+    filesystem does not support it; any other error (EIO: the entries may not be on disk) is raised, naming it."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # e.g. Windows
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as err:
+        if err.errno not in _FSYNC_UNSUPPORTED:
+            raise OSError(err.errno, f"fsync of the folder {path} failed ({err.strerror}): what was written or "
+                          "renamed in it may not be on disk") from err
     finally:
         os.close(fd)
+
+
+def _remove_tree(path: str, why: str) -> bool:
+    """``shutil.rmtree`` that says so when it fails (a warning naming the folder and the error: the disk would
+    otherwise fill silently with checkpoints that were meant to be gone). Returns whether it is gone."""
+    if not os.path.lexists(path):
+        return True
+    failures = []
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda _fn, where, exc: failures.append(f"{where}: {exc}"))
+    else:
+        shutil.rmtree(path, onerror=lambda _fn, where, info: failures.append(f"{where}: {info[1]}"))
+    if failures or os.path.lexists(path):
+        logger.warning("trl_fp8: could not remove %s (%s): %s. It takes disk space until it is deleted by hand.",
+                       path, why, "; ".join(failures[:3]) or "still there")
+        return False
+    return True
 
 
 def _listing(folder: str) -> dict[str, int]:
@@ -127,7 +153,7 @@ def commit(tmp: str, final: str) -> None:
     os.rename(tmp, final)
     _fsync_dir(run_dir)
     if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+        _remove_tree(aside, f"the replaced copy of {os.path.basename(final)}")
         _fsync_dir(run_dir)
 
 
@@ -141,7 +167,7 @@ def remove_checkpoint(path: str) -> None:
         _fsync_dir(os.path.dirname(path))
     except OSError:
         aside = path
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove_tree(aside, f"rotating out {os.path.basename(path)}")
 
 
 # -- completeness -------------------------------------------------------------------------------------------------
@@ -169,6 +195,8 @@ def check_complete(folder: str) -> Verdict:
                 listed = json.load(f)["files"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             return Verdict(False, f"its completion marker {MARKER} is unreadable ({err})", marked=True)
+        if not isinstance(listed, dict) or not all(isinstance(k, str) and type(v) is int for k, v in listed.items()):
+            return Verdict(False, f"its completion marker {MARKER} does not list files with their sizes", marked=True)
         for rel, size in listed.items():
             path = os.path.join(folder, *rel.split("/"))
             if not os.path.isfile(path):
@@ -183,7 +211,7 @@ def check_complete(folder: str) -> Verdict:
     try:
         with open(state, encoding="utf-8") as f:
             global_step = json.load(f).get("global_step")
-    except (OSError, ValueError, AttributeError) as err:
+    except (OSError, ValueError, AttributeError, TypeError) as err:
         return Verdict(False, f"{TRAINER_STATE} is unreadable ({err})")
     step = _step_of(folder)
     if step is not None and global_step != step:
@@ -226,8 +254,8 @@ def clean_stale(run_dir: str) -> list[str]:
             _fsync_dir(run_dir)
             done.append(f"completed the interrupted save of {os.path.basename(final)}")
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        done.append(f"removed {name}, left by an interrupted save or rotation")
+        if _remove_tree(path, "left by an interrupted save or rotation"):
+            done.append(f"removed {name}, left by an interrupted save or rotation")
     if done:
         _fsync_dir(run_dir)
     return done
@@ -284,13 +312,53 @@ def settings_differences(saved: dict, args) -> list[str]:
     return out
 
 
-def check_settings(trainer, checkpoint: str) -> None:
-    """Refuse (``ValueError`` naming each field) a checkpoint written with other state-shaping trl_fp8 settings; for
-    one without :data:`SETTINGS`, refuse when a running capability's state file is missing."""
-    path = os.path.join(checkpoint, SETTINGS)
-    if os.path.isfile(path):
+def _generation_files(checkpoint: str) -> list[str]:
+    stem, ext = os.path.splitext(GENERATION_STATE)
+    pattern = re.compile(rf"^{re.escape(stem)}(_\d+)?{re.escape(ext)}$")
+    return sorted(name for name in os.listdir(checkpoint) if pattern.match(name))
+
+
+def check_world_size(saved_world_size: int | None, checkpoint: str, world_size: int) -> None:
+    """Refuse a checkpoint saved between two generations by another number of processes: TRL's generation buffer is
+    per process (each rank's own micro-batches), so more processes would have ranks generate (collectives) while the
+    others replay their buffer — a hang — and fewer would train on another rank's batches without a word. A
+    checkpoint at a generation boundary holds no buffer and resumes with any number of processes."""
+    buffers = _generation_files(checkpoint)
+    if not buffers:
+        return
+    if saved_world_size is None:  # written before the world size was recorded: the buffer files tell
+        saved_world_size = 1 if buffers == [GENERATION_STATE] else len(buffers)
+    if saved_world_size != world_size:
+        raise ValueError(
+            f"Cannot resume from {checkpoint} with {world_size} process(es): it was saved by {saved_world_size} "
+            f"between two generations, and TRL's generation buffer ({', '.join(buffers)}) belongs to each of those "
+            f"processes. Resume with {saved_world_size} process(es), or from a checkpoint saved at a generation "
+            "boundary (one with no grpo_generation_state file)."
+        )
+
+
+def _read_settings(path: str) -> dict:
+    try:
         with open(path, encoding="utf-8") as f:
-            saved = json.load(f).get("fields", {})
+            saved = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"Cannot resume from {os.path.dirname(path)}: its {SETTINGS} is unreadable ({err}). Resume "
+                         "from another checkpoint, or train into a new output_dir.") from err
+    if not isinstance(saved, dict) or not isinstance(saved.get("fields", {}), dict):
+        raise ValueError(f"Cannot resume from {os.path.dirname(path)}: its {SETTINGS} is not a trl_fp8 settings "
+                         "record (a JSON object with 'fields').")
+    return saved
+
+
+def check_settings(trainer, checkpoint: str) -> None:
+    """Refuse (``ValueError`` naming each field) a checkpoint written with other state-shaping trl_fp8 settings or,
+    between two generations, by another number of processes; for one without :data:`SETTINGS`, refuse when a running
+    capability's state file is missing."""
+    path = os.path.join(checkpoint, SETTINGS)
+    settings = _read_settings(path) if os.path.isfile(path) else None
+    check_world_size(None if settings is None else settings.get("world_size"), checkpoint, trainer.args.world_size)
+    if settings is not None:
+        saved = settings.get("fields", {})
         differences = settings_differences(saved, trainer.args)
         if differences:
             raise ValueError(
@@ -444,7 +512,7 @@ def save_checkpoint(trainer, trial) -> str:
 
         _write_json(os.path.join(tmp, SETTINGS), {"format": FORMAT, "trl_fp8": __version__,
                                                   "capabilities": sorted(trainer.capabilities),
-                                                  "fields": settings_of(args)})
+                                                  "world_size": args.world_size, "fields": settings_of(args)})
     trainer.accelerator.wait_for_everyone()  # every process has written its files
     if args.should_save:
         commit(tmp, final)
@@ -454,6 +522,40 @@ def save_checkpoint(trainer, trial) -> str:
     if args.should_save:
         rotate(run_dir, args.save_total_limit, trainer.state.best_model_checkpoint, final)
     return final
+
+
+def save_final_model(trainer, output_dir: str) -> None:
+    """``trainer.save_model(output_dir)``, never half-written: every process saves into
+    ``<output_dir>/_tmp-final-model`` (DeepSpeed/FSDP gather there as usual), every file is fsync'd, then each is
+    renamed into ``output_dir`` — the weights first, ``config.json`` and weight indexes last — and the folder is
+    fsync'd. A kill during the (long) write leaves the previous final model untouched; the renames take
+    milliseconds."""
+    args = trainer.args
+    tmp = os.path.join(output_dir, TMP_PREFIX + "final-model")
+    if args.should_save:
+        os.makedirs(output_dir, exist_ok=True)
+        if os.path.lexists(tmp):
+            _remove_tree(tmp, "left by an interrupted final save")
+    trainer.accelerator.wait_for_everyone()
+    trainer.save_model(tmp)
+    trainer.accelerator.wait_for_everyone()
+    if args.should_save:
+        _sync_tree(tmp)
+        names = sorted(os.listdir(tmp), key=lambda n: (n == "config.json" or n.endswith(".index.json"), n))
+        for name in names:
+            src, dst = os.path.join(tmp, name), os.path.join(output_dir, name)
+            if os.path.isdir(dst) and not os.path.islink(dst):  # a folder (e.g. FSDP's sharded state): swap whole
+                aside = os.path.join(output_dir, f"{TMP_PREFIX}replaced-{name}")
+                if os.path.lexists(aside):
+                    _remove_tree(aside, "left by an interrupted final save")
+                os.rename(dst, aside)
+                os.rename(src, dst)
+                _remove_tree(aside, f"the previous final {name}")
+            else:
+                os.replace(src, dst)
+        _fsync_dir(output_dir)
+        _remove_tree(tmp, "the emptied staging folder of the final save")
+    trainer.accelerator.wait_for_everyone()
 
 
 def rotate(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None, newest: str) -> list[str]:
@@ -494,6 +596,14 @@ def _to_device(obj, device):
     return obj
 
 
+def _load(path: str, checkpoint: str, what: str):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - truncated, corrupt, or not a weights-only pickle: say which file
+        raise ValueError(f"Cannot resume from {checkpoint}: {what} ({os.path.basename(path)}) does not load "
+                         f"({type(err).__name__}: {err}). Resume from another checkpoint.") from err
+
+
 def load_states(trainer, checkpoint: str) -> None:
     """Restore each running capability's state, the data order of the resumed epoch and TRL's generation buffer from
     ``checkpoint``."""
@@ -507,11 +617,13 @@ def load_states(trainer, checkpoint: str) -> None:
                                capability.state_file)
                 continue
             raise ValueError(_missing_message(capability.name, capability.state_file, checkpoint))
-        capability.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        capability.load_state_dict(_load(path, checkpoint, f"the {capability.name} state"))
+    for capability in trainer.capabilities.values():  # every process: files it wrote itself (e.g. a rank's shard)
+        capability.load_process_files(trainer, checkpoint)
     # the data order of the resumed epoch (trainer.state is the checkpoint's by now; transformers' epochs_trained)
     _trl.advance_train_sampler(getattr(trainer, "_train_sampler", None), math.floor(trainer.state.epoch or 0))
     path = os.path.join(checkpoint, _generation_state_file(trainer.args))
     if os.path.isfile(path):
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = _load(path, checkpoint, "TRL's generation buffer")
         device = trainer.accelerator.device
         _trl.restore_generation_buffer(trainer, state if device.type == "cpu" else _to_device(state, device))

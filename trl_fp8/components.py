@@ -125,3 +125,8 @@ class Capability:
     def save_process_files(self, trainer, folder: str) -> None:
         """Files *every* process writes into the checkpoint being staged in ``folder`` (e.g. per-rank shard state),
         before its completion marker; ``state_dict`` is written by the main process only."""
+
+    def load_process_files(self, trainer, folder: str) -> None:
+        """On every process, after ``load_state_dict``: ``folder`` is the checkpoint being resumed, where the files of
+        :meth:`save_process_files` are read from (never from where the checkpoint was first written: it may have
+        been moved)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -314,9 +315,17 @@ def run(out: str, name: str) -> int:
         resumed = make_trainer(out, name + "_resumed", **SCENARIOS[name])
         again = {"served": [], "sampler": [], "reference_ok": []}
         check_zero_against_reference(resumed, again)
-        resumed.train(resume_from_checkpoint=os.path.join(out, name, "checkpoint-2"))
+        # resumed from a copy elsewhere (a checkpoint moved to other storage), the original renamed away: the
+        # per-rank files must come from the checkpoint passed in, not from where it was written
+        source = os.path.join(out, name, "checkpoint-2")
+        moved = os.path.join(out, name + "_moved", "checkpoint-2")
+        if _rank() == 0:
+            shutil.copytree(source, moved)
+            os.rename(source, source + "-away")
+        resumed.accelerator.wait_for_everyone()
+        resumed.train(resume_from_checkpoint=moved)
         record["resumed"] = again
-        with open(os.path.join(out, name, "checkpoint-2", "trl_fp8_complete.json")) as f:
+        with open(os.path.join(moved, "trl_fp8_complete.json")) as f:
             record["checkpoint_files"] = sorted(json.load(f)["files"])  # what the completion marker vouches for
     with open(os.path.join(out, f"{name}.rank{_rank()}.json"), "w") as f:
         json.dump(record, f)

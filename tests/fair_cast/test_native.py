@@ -33,6 +33,11 @@ def _bits(t):
     return t.view(torch.int16)
 
 
+def _libs(cache):
+    """What the cache folder holds besides the compiler probes (libraries, temporaries)."""
+    return sorted(p for p in cache.iterdir() if not p.name.startswith("probe_"))
+
+
 def _mode(path):
     return stat.S_IMODE(os.stat(path).st_mode)
 
@@ -62,6 +67,7 @@ def fake_toolchain(monkeypatch):
     monkeypatch.setattr(_native, "_compiler", lambda: "/fake/bin/cc")
     monkeypatch.setattr(_native, "_compiler_identity", lambda cc: env["compiler"])
     monkeypatch.setattr(_native, "_cpu_features", lambda cc: env["cpu"])
+    monkeypatch.setattr(_native, "_toolchain_stamp", lambda cc: f"{env['compiler']}|{env['cpu']}")
     monkeypatch.setattr(_native, "_build", build)
     monkeypatch.setattr(_native, "_open", lambda path: ("lib", path))
     return env
@@ -90,7 +96,7 @@ def test_native_kernel_builds_into_a_private_cache(cache):
     lib = _load_quietly()
     assert lib is not None
     assert _mode(cache) == 0o700
-    files = sorted(p.name for p in cache.iterdir())
+    files = sorted(p.name for p in cache.iterdir() if not p.name.startswith("probe_"))
     assert len(files) == 1 and files[0].startswith("fair_cast_") and files[0].endswith(".so"), files  # no temps
     lib_file = cache / files[0]
     assert os.stat(lib_file).st_uid == os.geteuid()
@@ -120,7 +126,7 @@ def test_failed_build_leaves_no_library_and_no_temporaries(cache, tmp_path, monk
     monkeypatch.setenv("CC", str(fake))
     with pytest.warns(UserWarning, match="could not build"):
         assert _native.load() is None
-    assert list(cache.iterdir()) == []
+    assert _libs(cache) == []
 
 
 def test_build_writes_a_temporary_in_the_same_folder_then_replaces(cache, monkeypatch):
@@ -134,10 +140,11 @@ def test_build_writes_a_temporary_in_the_same_folder_then_replaces(cache, monkey
 
     monkeypatch.setattr(_native.os, "replace", spy)
     assert _native.load() is not None
+    moves = [m for m in moves if not m[1].name.startswith("probe_")]  # the compiler probe is replaced atomically too
     (tmp, dst, magic), = moves
     assert tmp.parent == dst.parent == cache and tmp != dst
     assert dst.name.startswith("fair_cast_") and magic in (b"\x7fELF", b"\xcf\xfa\xed\xfe")  # a whole library
-    assert [p.name for p in cache.iterdir()] == [dst.name]
+    assert [p.name for p in _libs(cache)] == [dst.name]
 
 
 # ---------------------------------------------------------------------------------------------- cache key
@@ -183,7 +190,7 @@ def test_cache_from_another_cpu_or_compiler_is_not_reused(cache, fake_toolchain)
     env["compiler"] = "fakecc 2.0"  # another compiler
     _native.load.cache_clear()
     assert _load_quietly()[1] not in env["built"][:2] and len(env["built"]) == 3
-    assert len({p.name for p in cache.iterdir()}) == 3
+    assert len({p.name for p in _libs(cache)}) == 3
 
 
 def test_flags_and_source_are_in_the_library_name(cache, fake_toolchain, monkeypatch):
@@ -216,7 +223,7 @@ def test_group_or_other_writable_folder_is_refused(cache, fake_toolchain, mode):
     cache.chmod(mode)
     message = _load_refused("group- or other-writable")
     assert str(cache) in message and "PyTorch" in message
-    assert fake_toolchain["built"] == [] and list(cache.iterdir()) == []
+    assert fake_toolchain["built"] == [] and _libs(cache) == []
 
 
 def test_folder_owned_by_someone_else_is_refused(cache, fake_toolchain, monkeypatch):
@@ -355,6 +362,81 @@ def test_good_arguments_reach_the_library_unchanged():
     assert allocated.dtype == torch.bfloat16 and allocated.shape == src.shape
     assert lib.calls[0] == ("sr", (src.data_ptr(), out.data_ptr(), 24, 2**32 - 1, 3, 0))
     assert lib.calls[1] == ("ef", (src.data_ptr(), residual.data_ptr(), out.data_ptr(), 24, 2))
+
+
+# ---------------------------------------------------------------------------------------------- cache edges
+
+
+def test_a_corrupt_cached_library_is_rebuilt_once_with_a_warning(cache):
+    _need_cc()
+    cc = _native._compiler()
+    assert _native._prepare_dir(cache) is None
+    lib_file = cache / f"fair_cast_{_native._cache_tag(_native._probed_key(cc, cache))}.so"
+    # what a crash of an unsynced writer leaves: the right name, a cut file (never loaded by this process before:
+    # overwriting a library a process has mapped would crash that process, not test this)
+    lib_file.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(64))
+    os.chmod(lib_file, 0o700)
+    with pytest.warns(UserWarning, match="do not load .*rebuilding them once"):
+        lib = _native.load()
+    assert lib is not None  # rebuilt: the fused kernel is back, not off for good
+    x = torch.randn(1000)
+    key = R.derive_key(1, 2, 3)
+    assert torch.equal(_bits(_native.sr_bf16(lib, x, None, key, 1)), _bits(R._sr_bf16_bits_torch(x, key)))
+    assert lib_file.stat().st_size > 1000
+
+
+def test_a_library_that_never_loads_is_rebuilt_once_then_given_up(cache, fake_toolchain, monkeypatch):
+    def broken(path):
+        raise OSError(f"{path}: invalid ELF header")
+
+    monkeypatch.setattr(_native, "_open", broken)
+    with pytest.warns(UserWarning) as record:
+        assert _native.load() is None
+    messages = [str(w.message) for w in record]
+    assert len(fake_toolchain["built"]) == 2, fake_toolchain["built"]  # the first build, one rebuild, no more
+    assert "rebuilding them once" in messages[0] and "freshly built" in messages[1], messages
+
+
+def test_the_compiler_probe_runs_once_per_toolchain_not_per_process(cache, monkeypatch):
+    _need_cc()
+    calls = []
+    real = _native._run_text
+    monkeypatch.setattr(_native, "_run_text", lambda cmd: calls.append(cmd) or real(cmd))
+    first = _load_quietly()
+    assert first is not None and len(calls) == 3  # --version, -dumpmachine, the -march=native macros
+    probes = [p for p in cache.iterdir() if p.name.startswith("probe_")]
+    assert len(probes) == 1 and _mode(probes[0]) & 0o022 == 0
+    _native.load.cache_clear()  # as a new process would
+    assert _load_quietly() is not None
+    assert len(calls) == 3  # the cached probe named the same library: no compiler run at all
+    probes[0].write_text("{not json")  # a damaged probe is recomputed, never trusted
+    _native.load.cache_clear()
+    assert _load_quietly() is not None and len(calls) == 6
+    assert len([p for p in cache.iterdir() if p.suffix == ".so"]) == 1  # the same key, the same library
+
+
+def test_a_failed_compile_is_remembered_in_the_module_not_the_environment(monkeypatch):
+    monkeypatch.delenv("TRL_FP8_NO_COMPILE", raising=False)
+    monkeypatch.setitem(R._COMPILE, "usable", True)
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise RuntimeError("inductor: no triton")
+
+    monkeypatch.setattr(R, "_compiled_sr_bf16_bits", failing)
+    monkeypatch.setattr(R, "_sr_bf16_bits_torch", lambda src, key, offset: torch.zeros(8, dtype=torch.bfloat16))
+    # only the device is read on this path: a stand-in for a CUDA tensor on a machine without one
+    on_cuda = type("CudaTensor", (), {"device": torch.device("cuda"), "shape": torch.Size([8])})()
+    out = torch.empty(8, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="torch.compile of the SR kernel failed"):
+        R._sr_bf16(on_cuda, 5, out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        R._sr_bf16(on_cuda, 5, out)  # not tried again, not said again
+    assert calls == [1]
+    assert "TRL_FP8_NO_COMPILE" not in os.environ  # children of this process still may compile
+    assert "no triton" in R._COMPILE["error"]
 
 
 # ---------------------------------------------------------------------------------------------- no compiler

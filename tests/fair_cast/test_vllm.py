@@ -84,12 +84,16 @@ def test_a_later_export_is_what_the_next_sync_pushes():
     model, served = _served("error_feedback")
     gen = _sampler("colocate", torch.bfloat16)
     VLLMExport.install(gen, served)
+    first = {name: t.clone() for name, t in served.served.items()}
     served.before_step()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(3e-3)
     served.after_step(1)
     gen.sync_weights()
+    # every parameter pushed (an empty push would pass the loop below), and it is the later export, not the first
+    assert [n for n, _ in gen.llm.pushed] == [n for n, _ in model.named_parameters()]
+    assert any(not torch.equal(t.view(torch.int16), first[n].view(torch.int16)) for n, t in gen.llm.pushed)
     for name, tensor in gen.llm.pushed:
         assert torch.equal(tensor.view(torch.int16), served.served[name].view(torch.int16))
 

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from trl_fp8.scripts.grpo import (
@@ -70,3 +72,69 @@ def test_check_script_args_before_launch(tmp_path, argv, expected):
     )
     with pytest.raises(ValueError, match=expected):
         check_script_args(script_args, model_args, dataset_args)
+
+
+# -- after train(): the final model only when training finished, written atomically ---------------------------------
+def _finished_stub(tmp_path, step, max_steps, stopping=None, files=None):
+    from types import SimpleNamespace
+
+    out = tmp_path / "out"
+    calls = {"save_model": [], "push": 0, "printed": []}
+
+    def save_model(folder):
+        calls["save_model"].append(folder)
+        os.makedirs(folder, exist_ok=True)
+        for name, text in (files or {"model.safetensors": "new-weights", "config.json": "{}"}).items():
+            if text is None:  # a kill / crash in the middle of the write
+                raise KeyboardInterrupt("killed while writing")
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+
+    budget = SimpleNamespace(callback=SimpleNamespace(stopping=stopping))
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=step, max_steps=max_steps),
+        args=SimpleNamespace(should_save=True),
+        accelerator=SimpleNamespace(wait_for_everyone=lambda: None, print=calls["printed"].append),
+        capability=lambda name: budget if name == "time_budget" else None,
+        save_model=save_model,
+        push_to_hub=lambda **kw: calls.__setitem__("push", calls["push"] + 1),
+    )
+    args = SimpleNamespace(output_dir=str(out), push_to_hub=True)
+    return trainer, args, SimpleNamespace(dataset_name="x"), calls, out
+
+
+@pytest.mark.parametrize("stopping, said", [("budget", "the time budget ran out"), ("SIGTERM", "SIGTERM received")])
+def test_a_run_stopped_to_be_resumed_is_not_saved_or_pushed_as_final(tmp_path, stopping, said):
+    from trl_fp8.scripts.grpo import finish
+
+    trainer, args, script_args, calls, out = _finished_stub(tmp_path, 3, 10, stopping=stopping)
+    assert finish(trainer, args, script_args) is False
+    assert calls["save_model"] == [] and calls["push"] == 0
+    (line,) = calls["printed"]
+    assert f"{said} at step 3 of 10" in line and "not saved" in line and "nor pushed to the Hub" in line
+    assert "checkpoint-3" in line and "--resume_from_checkpoint auto" in line
+    assert not out.exists()
+
+
+def test_a_finished_run_is_saved_atomically_then_pushed(tmp_path):
+    from trl_fp8.scripts.grpo import finish
+
+    trainer, args, script_args, calls, out = _finished_stub(tmp_path, 10, 10, stopping="budget")  # its last step
+    assert finish(trainer, args, script_args) is True
+    assert calls["push"] == 1 and calls["printed"] == [f"Model saved to {out}."]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # no staging folder left
+    assert (out / "model.safetensors").read_text() == "new-weights"
+    # a second save killed half-way leaves the first one whole
+    trainer, args, script_args, calls, out = _finished_stub(
+        tmp_path, 10, 10, files={"model.safetensors": "half", "config.json": None})
+    with pytest.raises(KeyboardInterrupt):
+        finish(trainer, args, script_args)
+    assert (out / "model.safetensors").read_text() == "new-weights" and calls["push"] == 0
+
+
+def test_a_run_another_callback_stopped_is_final_and_says_where(tmp_path):
+    from trl_fp8.scripts.grpo import finish
+
+    trainer, args, script_args, calls, out = _finished_stub(tmp_path, 4, 10)  # e.g. early stopping
+    assert finish(trainer, args, script_args) is True
+    assert calls["printed"] == [f"Model saved to {out} (training stopped at step 4 of 10)."]

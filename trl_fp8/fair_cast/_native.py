@@ -18,7 +18,12 @@ The cache folder is ``$TRL_FP8_CACHE``, else ``$XDG_CACHE_HOME/trl_fp8``, else `
   is group- or other-writable is refused, and so is an existing library in it that is not a regular file
   owned by the current user or is group- or other-writable: :func:`load` then returns None with one warning
   naming the path and the reason. A new library is compiled to a temporary name in the same folder, made
-  0700 and moved into place with ``os.replace``, so no process ever loads half a library.
+  0700, fsync'd and moved into place with ``os.replace``, so no process ever loads half a library. A cached
+  library that does not load (truncated, corrupt) is removed and rebuilt once, with a warning.
+- **Probe cache.** The compiler's part of the key takes three compiler runs; their result is kept beside the
+  libraries in ``probe_<hash>.json``, named by what identifies the toolchain and CPU without running anything
+  (the compiler's resolved path, size and mtime, the CPU lines of ``/proc/cpuinfo``), so a later process with the
+  library cached runs no compiler at all.
 - **Calls.** :func:`sr_bf16` and :func:`ef_bf16` check every tensor (type, dtype, shape, CPU device,
   contiguity) and the scalar arguments before handing raw pointers to the library, and raise a
   ``TypeError``/``ValueError`` naming the argument otherwise.
@@ -149,10 +154,8 @@ def _compiler_identity(cc: str) -> str:
     return "\n".join([real, file_id, _run_text([cc, "--version"]), _run_text([cc, "-dumpmachine"])])
 
 
-def _cpu_features(cc: str) -> str:
-    """The CPU the library is built for: machine, OS, pointer size, /proc/cpuinfo identity and flags, and the
-    macros the compiler predefines for ``-march=native`` (the instruction-set extensions it will use)."""
-    parts = [platform.machine(), sys.platform, str(struct.calcsize("P") * 8)]
+def _cpuinfo_identity() -> list[str]:
+    """The CPU identity and feature-flag lines of ``/proc/cpuinfo`` (or ``platform.processor()``), sorted."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
             lines = set()
@@ -160,22 +163,68 @@ def _cpu_features(cc: str) -> str:
                 name, sep, value = line.partition(":")
                 if sep and name.strip().lower() in _CPUINFO_FIELDS:
                     lines.add(f"{name.strip().lower()}: {' '.join(value.split())}")
-        parts.extend(sorted(lines))
+        return sorted(lines)
     except OSError:
-        parts.append(platform.processor())
+        return [platform.processor()]
+
+
+def _cpu_features(cc: str) -> str:
+    """The CPU the library is built for: machine, OS, pointer size, /proc/cpuinfo identity and flags, and the
+    macros the compiler predefines for ``-march=native`` (the instruction-set extensions it will use)."""
+    parts = [platform.machine(), sys.platform, str(struct.calcsize("P") * 8), *_cpuinfo_identity()]
     march = [flag for flag in FLAGS if flag.startswith(("-march=", "-mcpu=", "-mtune="))]
     parts.append(_run_text([cc, *march, "-E", "-dM", "-x", "c", os.devnull]))
     return "\n".join(parts)
 
 
 def _cache_key(cc: str) -> dict[str, str]:
-    """Everything that changes the compiled library (see the module docstring)."""
+    """Everything that changes the compiled library (see the module docstring). Runs the compiler three times."""
     return {
         "source": C_SOURCE,
         "flags": " ".join(FLAGS),
         "compiler": _compiler_identity(cc),
         "cpu": _cpu_features(cc),
     }
+
+
+def _toolchain_stamp(cc: str) -> str:
+    """What identifies the compiler and CPU without running anything: the compiler's resolved path, size and mtime,
+    the machine and the CPU lines of ``/proc/cpuinfo``. The probe (:func:`_cache_key`) is cached under it."""
+    real = os.path.realpath(cc)
+    try:
+        st = os.stat(real)
+        file_id = f"{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        file_id = "?"
+    return "\n".join([real, file_id, platform.machine(), sys.platform, *_cpuinfo_identity()])
+
+
+def _probed_key(cc: str, folder: Path) -> dict[str, str]:
+    """:func:`_cache_key`, read from ``probe_<stamp>.json`` in ``folder`` when an earlier process wrote it (same
+    compiler file, same CPU), else computed and written there atomically: the compiler runs once per toolchain and
+    CPU, not three times in every process. An unreadable, foreign or group-writable probe file is recomputed."""
+    stamp = hashlib.sha256(("\n".join([C_SOURCE, " ".join(FLAGS), _toolchain_stamp(cc)])).encode()).hexdigest()
+    path = folder / f"probe_{stamp[:24]}.json"
+    try:
+        if _why_unsafe(path, os.lstat(path), directory=False) is None:
+            with open(path, encoding="utf-8") as fh:
+                key = json.load(fh)
+            if isinstance(key, dict) and set(key) == {"source", "flags", "compiler", "cpu"} and all(
+                    isinstance(v, str) for v in key.values()) and key["source"] == C_SOURCE:
+                return key
+    except (OSError, ValueError):
+        pass
+    key = _cache_key(cc)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".probe.", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(key, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache still works: the probe just runs again next time
+        pass
+    return key
 
 
 def _cache_tag(key: dict[str, str]) -> str:
@@ -223,13 +272,32 @@ def _build(cc: str, lib_path: Path) -> None:
         subprocess.run([cc, *FLAGS, src, "-o", tmp_lib], check=True, capture_output=True, text=True,
                        timeout=120, stdin=subprocess.DEVNULL)
         os.chmod(tmp_lib, 0o700)  # the linker creates it with the umask's mode (possibly group-writable)
+        fd = os.open(tmp_lib, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # on disk before its name is: a crash never leaves a truncated library under the final name
+        finally:
+            os.close(fd)
         os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a library
+        _fsync_folder(folder)
     finally:
         for leftover in (src, tmp_lib):
             try:
                 os.unlink(leftover)
             except FileNotFoundError:
                 pass
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _open(lib_path: Path):
@@ -257,30 +325,45 @@ def load():
     if cc is None:
         return None
     folder = _cache_dir()
-    lib_path = folder / f"fair_cast_{_cache_tag(_cache_key(cc))}.so"
     reason = _prepare_dir(folder)
     if reason is not None:
         _refuse("folder", folder, reason)
         return None
-    if not os.path.lexists(lib_path):
+    lib_path = folder / f"fair_cast_{_cache_tag(_probed_key(cc, folder))}.so"
+    for attempt in (1, 2):
+        if not os.path.lexists(lib_path):
+            try:
+                _build(cc, lib_path)
+            except (OSError, subprocess.SubprocessError) as err:
+                detail = getattr(err, "stderr", "") or str(err)
+                warnings.warn(f"trl_fp8: could not build the fused Fair Cast CPU kernels ({detail.strip()[:200]}); "
+                              "using the PyTorch implementation (same results, slower).", stacklevel=2)
+                return None
         try:
-            _build(cc, lib_path)
-        except (OSError, subprocess.SubprocessError) as err:
-            detail = getattr(err, "stderr", "") or str(err)
-            warnings.warn(f"trl_fp8: could not build the fused Fair Cast CPU kernels ({detail.strip()[:200]}); "
-                          "using the PyTorch implementation (same results, slower).", stacklevel=2)
+            reason = _why_unsafe(lib_path, os.lstat(lib_path), directory=False)
+        except OSError as err:
+            reason = f"cannot be read ({err})"
+        if reason is not None:
+            _refuse("library", lib_path, reason)
             return None
-    try:
-        reason = _why_unsafe(lib_path, os.lstat(lib_path), directory=False)
-    except OSError as err:
-        reason = f"cannot be read ({err})"
-    if reason is not None:
-        _refuse("library", lib_path, reason)
-        return None
-    try:
-        return _open(lib_path)
-    except (OSError, AttributeError):
-        return None
+        try:
+            return _open(lib_path)
+        except (OSError, AttributeError) as err:  # truncated, corrupt, or without our symbols
+            if attempt == 2:
+                warnings.warn(f"trl_fp8: the freshly built Fair Cast CPU kernels {lib_path} do not load ({err}); "
+                              "using the PyTorch implementation (same results, slower).", stacklevel=2)
+                return None
+            warnings.warn(f"trl_fp8: the cached Fair Cast CPU kernels {lib_path} do not load ({err}); rebuilding "
+                          "them once.", stacklevel=2)
+            try:
+                os.unlink(lib_path)
+            except FileNotFoundError:
+                pass
+            except OSError as unlink_err:
+                warnings.warn(f"trl_fp8: cannot remove {lib_path} ({unlink_err}); using the PyTorch "
+                              "implementation (same results, slower).", stacklevel=2)
+                return None
+    return None
 
 
 def _check_tensor(name: str, t, dtype: torch.dtype, shape: torch.Size | None = None) -> None:

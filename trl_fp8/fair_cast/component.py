@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -236,15 +235,17 @@ class FairCast(Capability):
     def state_dict(self) -> dict:
         if self.zero is not None:  # DeepSpeed checkpoints the master; SR/RTN need only the step to export again
             step = self.zero.export.step_count if self.zero.active else 0
-            args = self.zero.trainer.args  # EF: where every rank writes its partitions' state at this save
             return {"mode": self.mode, "served_dtype": dtype_name(self.dtype), "seed": self.seed,
-                    "step": step, "deepspeed": True,
-                    "rank_folder": os.path.abspath(self.zero._checkpoint_folder(args, step))}
+                    "step": step, "deepspeed": True}
         return self.served.state_dict()
 
     def save_process_files(self, trainer, folder: str) -> None:
         if self.zero is not None:  # EF under DeepSpeed: every rank's partitions (their residuals) beside its files
             self.zero.save_rank_state(folder)
+
+    def load_process_files(self, trainer, folder: str) -> None:
+        if self.zero is not None:  # EF under DeepSpeed reads every rank's file from the checkpoint being resumed
+            self.zero.rank_folder = folder
 
     def load_state_dict(self, state: dict) -> None:
         if self.zero is not None or state.get("deepspeed"):
@@ -254,7 +255,6 @@ class FairCast(Capability):
                     raise ValueError(f"Fair Cast checkpoint has {key}={state.get(key)!r}, but this run uses {mine!r}.")
             self.seed = self.zero.seed = int(state["seed"])
             self.zero.restored_step = int(state["step"])
-            self.zero.rank_folder = state.get("rank_folder")
             return
         self.served.load_state_dict(state)
         self.callback.restored = True

@@ -10,10 +10,10 @@ from the gathered weights, :func:`gathered_twin`).
 
 SR and RTN resume exactly by exporting DeepSpeed's restored master again at the resumed step (the random bits are
 keyed by (seed, step, tensor, global element)). Error feedback's residual lives per ZeRO partition: at each save every
-rank writes its own ``fair_cast_state.rank<r>.pt`` (served values, residual and their global layout) into
-``<output_dir>/checkpoint-<step>`` next to DeepSpeed's per-rank files, and a resume reads it back (re-sharded by
-global element index if the world size changed) — or refuses, naming the file, when it is not there. Metrics come
-from each rank's partitions and are reduced once over the ranks.
+rank writes its own ``fair_cast_state.rank<r>.pt`` (served values, residual and their global layout) into the
+checkpoint next to DeepSpeed's per-rank files, and a resume reads it back from the checkpoint passed in, wherever it
+lies now (re-sharded by global element index if the world size changed) — or refuses, naming the file, when it is
+not there. Metrics come from each rank's partitions and are reduced once over the ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class ZeroFairCast(TrainerCallback):
         self.export: DeepSpeedExport | None = None
         self.module = None
         self.restored_step: int | None = None
-        self.rank_folder: str | None = None  # where a resumed checkpoint's per-rank files were written
+        self.rank_folder: str | None = None  # the checkpoint being resumed (its per-rank files)
         self.zero3 = False
 
     @property
@@ -86,10 +86,10 @@ class ZeroFairCast(TrainerCallback):
 
     def _load_rank_state(self, args, step: int) -> None:
         """EF: this rank's served values and residual from its own file (re-sharded from every rank's when the world
-        size changed), then DeepSpeed's 16-bit weights are made the served copy again. The files are looked for where
-        they were written (recorded in the checkpoint's Fair Cast state), then in ``<output_dir>/checkpoint-<step>``."""
+        size changed), then DeepSpeed's 16-bit weights are made the served copy again. The files are read from the
+        checkpoint being resumed (:meth:`FairCast.load_process_files`), wherever it lies now."""
         name = shard_state_file(distributed.rank())
-        candidates = [f for f in (self.rank_folder, self._checkpoint_folder(args, step)) if f]
+        candidates = [self.rank_folder or self._checkpoint_folder(args, step)]
         folder = next((f for f in candidates if os.path.isfile(os.path.join(f, name))
                        or os.path.isfile(os.path.join(f, shard_state_file(0)))), None)
         if folder is None:

@@ -128,6 +128,43 @@ def load_datasets(script_args, dataset_args, training_args):
     raise ValueError("Either `datasets` or `dataset_name` must be provided.")
 
 
+def stopped_early(trainer) -> str | None:
+    """Why ``train()`` returned before ``max_steps`` to be resumed later (the time budget ran out, or a SIGTERM), or
+    None."""
+    budget = trainer.capability("time_budget") if hasattr(trainer, "capability") else None
+    why = getattr(getattr(budget, "callback", None), "stopping", None)
+    state = trainer.state
+    if why is None or not state.max_steps or state.global_step >= state.max_steps:
+        return None
+    return {"budget": "the time budget ran out", "SIGTERM": "SIGTERM received"}.get(why, why)
+
+
+def finish(trainer, training_args, script_args) -> bool:
+    """After ``train()``: the final model into ``output_dir`` (atomically) and to the Hub — unless the time budget or
+    a SIGTERM stopped the run to be resumed: it has its checkpoint already, and writing it again as the final model
+    would publish an unfinished model as finished (and, after a SIGTERM, spend the kill grace on it). A run another
+    callback stopped (e.g. early stopping) is final and saved, saying at which step. Returns whether it was saved."""
+    from ..checkpoints import save_final_model
+
+    state = trainer.state
+    why = stopped_early(trainer)
+    if why is not None:
+        trainer.accelerator.print(
+            f"trl_fp8: {why} at step {state.global_step} of {state.max_steps}: the model is not saved to "
+            f"{training_args.output_dir} as final{' nor pushed to the Hub' if training_args.push_to_hub else ''}. "
+            f"Its checkpoint-{state.global_step} is in {training_args.output_dir}; run the same command with "
+            "--resume_from_checkpoint auto to finish training."
+        )
+        return False
+    save_final_model(trainer, training_args.output_dir)
+    early = (f" (training stopped at step {state.global_step} of {state.max_steps})"
+             if state.max_steps and 0 < state.global_step < state.max_steps else "")
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}{early}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return True
+
+
 def main(script_args, training_args, model_args, dataset_args):
     from trl import get_peft_config, get_quantization_config
 
@@ -160,10 +197,7 @@ def main(script_args, training_args, model_args, dataset_args):
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    finish(trainer, training_args, script_args)
     # A colocated vLLM engine goes first, while the process group it was built on exists; otherwise its exit
     # finalizer finds the group destroyed by `trainer.end()` and prints "Invalid process group specified".
     shutdown_trainer_vllm(trainer)
