@@ -45,7 +45,7 @@ TRAINER_ATTRIBUTES = (
     "use_transformers_continuous_batching", "temperature", "num_generations", "max_completion_length",
     "eos_token_ids", "pad_to_multiple_of", "generation_config", "generation_kwargs", "tools", "rollout_func",
     "environment_factories", "ref_model", "is_deepspeed_enabled", "is_fsdp_enabled", "compute_loss_context_manager",
-    "_get_output_dir",
+    "_get_output_dir", "reward_func_names",
     # checkpoints (trl_fp8.checkpoints, through write_checkpoint_files / generation_buffer below)
     "_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint", "_load_from_checkpoint",
     "hp_search_backend",
@@ -112,6 +112,27 @@ def record_metric(trainer, name: str, value: float) -> None:
     to every tracker (W&B, trackio, TensorBoard) and ``log_history``."""
     mode = "train" if trainer.model.training else "eval"
     trainer._metrics[mode][name].append(float(value))
+
+
+def _reward_metric_names(trainer) -> list[str]:
+    """The metrics TRL's ``_generate_and_score_completions`` derives from the rewards of one batch (trl 1.16)."""
+    names = ["reward", "reward_std", "frac_reward_zero_std"]
+    for name in trainer.reward_func_names:
+        names += [f"rewards/{name}/mean", f"rewards/{name}/std"]
+    return names
+
+
+def drop_reward_metrics_of_last_batch(trainer) -> None:
+    """Remove the reward statistics TRL just recorded for a batch whose every row a capability withheld (NaN: DUET
+    sampled nothing): the logging window then averages the batches that did sample, and a window with none has no
+    such key (TRL's ``log`` would write None there, which it does only when reward functions return None)."""
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    for name in _reward_metric_names(trainer):
+        values = metrics.get(name)
+        if values:
+            values.pop()
+        if name in metrics and not metrics[name]:
+            del metrics[name]
 
 
 def trl_generate(trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

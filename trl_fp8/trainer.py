@@ -126,12 +126,18 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        scored = bool((~torch.isnan(rewards).all(dim=1)).any()) if rewards.numel() else False
         for capability in self.capabilities.values():
             rewards = capability.adjust_rewards(self, rewards)
+        # every scored row withheld by a capability (DUET sampled nothing this step): no reward statistics for it
+        self._rewards_withheld = scored and bool(torch.isnan(rewards).all())
         return rewards
 
     def _generate_and_score_completions(self, inputs):
+        self._rewards_withheld = False
         output = super()._generate_and_score_completions(inputs)
+        if self._rewards_withheld:
+            _trl.drop_reward_metrics_of_last_batch(self)
         for capability in self.capabilities.values():
             output = capability.adjust_batch(self, output)
         return output

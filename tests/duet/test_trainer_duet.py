@@ -125,3 +125,53 @@ def test_stopped_rows_generate_no_more_tokens(tiny_model_dir):
 def test_config_validation(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         _args(tmp_path, **overrides)
+
+
+def _one(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def _zero(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_a_step_that_samples_nothing_logs_no_none_and_keeps_trl_reward_metrics(tmp_path, demo_dir, monkeypatch):
+    """TRL's own test of the weighted reward (constant rewards 1.0 and 0.0, reward_weights 0.7/0.3): a DUET step whose
+    every prompt gets no rollout leaves the reward statistics out, never None, and the others keep TRL's value."""
+    from trl_fp8.duet.controller import DuetController
+
+    real_plan = DuetController.plan
+    calls = []
+
+    def plan(self, keys):
+        out = real_plan(self, keys)
+        calls.append(1)
+        if len(calls) % 2 == 0:  # every second step samples nothing (as DUET does once constant rewards are known)
+            out.counts = torch.zeros_like(out.counts)
+            out.monitors = []
+        return out
+
+    monkeypatch.setattr(DuetController, "plan", plan)
+    trainer = trl_fp8.GRPOTrainer(
+        model=demo_dir, reward_funcs=[_one, _zero],
+        args=_args(tmp_path, max_steps=4, per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
+                   reward_weights=[0.7, 0.3], duet_budget=0.5),
+        train_dataset=make_arithmetic_dataset(40, seed=1))
+    trainer.train()
+    records = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(records) == 4
+    for h in records:
+        assert all(v is not None for v in h.values()), h
+    with_reward = [h for h in records if "reward" in h]
+    assert [h["step"] for h in with_reward] == [1, 3]  # the steps that sampled
+    for h in with_reward:
+        assert abs(h["reward"] - 0.7) < 1e-5 and h["rewards/_one/mean"] == 1.0 and h["rewards/_zero/mean"] == 0.0
+    # a logging window over both kinds of step averages the steps that sampled: TRL's value
+    trainer = trl_fp8.GRPOTrainer(
+        model=demo_dir, reward_funcs=[_one, _zero],
+        args=_args(tmp_path, max_steps=2, logging_steps=2, per_device_train_batch_size=6, num_generations=3,
+                   max_completion_length=8, reward_weights=[0.7, 0.3], duet_budget=0.5),
+        train_dataset=make_arithmetic_dataset(40, seed=1))
+    trainer.train()
+    last = [h for h in trainer.state.log_history if "loss" in h][-1]
+    assert abs(last["reward"] - 0.7) < 1e-5
