@@ -9,7 +9,8 @@ import pytest
 from trl_fp8 import _quiet
 from trl_fp8._quiet import KNOWN_NOTICES, VERBOSE_ENV, installed_filters, quiet_third_party
 
-NOTICE_MARKERS = ("Failed to load", "is an Enum subclass", "gemm_4bit_forward", "Triton not available")
+NOTICE_MARKERS = ("Failed to load", "is an Enum subclass", "gemm_4bit_forward", "Triton not available",
+                  "Setting accelerator to CPU")
 
 
 @pytest.fixture
@@ -60,6 +61,7 @@ class _OtherEnum(enum.Enum):
 
 
 def test_only_the_known_notices_are_dropped(clean_filters):
+    _cuda()  # torch imported first: the CUDA condition is read when a record is emitted (alone, nothing had)
     assert quiet_third_party() is True
     assert quiet_third_party() is True  # idempotent: one filter per logger
     assert len(installed_filters()) == len(KNOWN_NOTICES)
@@ -78,6 +80,28 @@ def test_only_the_known_notices_are_dropped(clean_filters):
     missing = ModuleNotFoundError("No module named 'kernels'", name="kernels")
     assert _emit("bitsandbytes.backends.cpu.ops", logging.WARNING, bnb, missing) == []
     assert len(_emit("bitsandbytes.backends.cpu.ops", logging.WARNING, bnb, RuntimeError("hub down"))) == 1
+
+
+def test_deepspeeds_cpu_notice_is_dropped_without_cuda_only(clean_filters):
+    _cuda()
+    quiet_third_party()
+    notice = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    assert _emit("DeepSpeed", logging.WARNING, notice) == ([notice] if _cuda() else [])
+    assert len(_emit("DeepSpeed", logging.WARNING, "Setting accelerator to CUDA")) == 1
+
+
+def test_building_a_trainer_with_deepspeed_installed_prints_no_notice():
+    """accelerate's extract_model_from_parallel (called by TRL's GRPOTrainer.__init__) imports deepspeed when it is
+    installed; deepspeed then prints its accelerator notice to stdout before the progress bar."""
+    pytest.importorskip("deepspeed")
+    code = ("from trl_fp8._quiet import quiet_third_party; quiet_third_party(); import torch; "
+            "from accelerate.utils import extract_model_from_parallel; "
+            "extract_model_from_parallel(torch.nn.Linear(2, 2)); import sys; print('deepspeed' in sys.modules)")
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"  # the path that prints it did run
+    if not _cuda():
+        assert "Setting accelerator to CPU" not in proc.stdout + proc.stderr, proc.stdout
 
 
 def test_verbose_env_installs_no_filter(clean_filters, monkeypatch):

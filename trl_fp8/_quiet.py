@@ -1,8 +1,9 @@
 """Silence a few known, harmless third-party notices for the ``trl-fp8`` command line.
 
 Importing the training stack on a CPU machine prints notices that look like failures but are not: torchao
-cannot load its CUDA-only extension libraries, torch warns about a deprecated call made inside torchao, and
-bitsandbytes says it has no ``kernels`` package and uses its own CPU kernel instead. The CLI, the demo and the
+cannot load its CUDA-only extension libraries, torch warns about a deprecated call made inside torchao,
+bitsandbytes says it has no ``kernels`` package and uses its own CPU kernel instead, and DeepSpeed (imported by
+accelerate when a trainer is built, if installed) says it sets its accelerator to CPU. The CLI, the demo and the
 GRPO script call :func:`quiet_third_party` before the heavy imports so that the first thing a user sees is the
 progress bar.
 
@@ -91,6 +92,14 @@ KNOWN_NOTICES: tuple[KnownNotice, ...] = (
         pattern=r"^Failed to load CPU gemm_4bit_forward from kernels-community: ",
         why="the optional `kernels` package is not installed; bitsandbytes falls back to its own CPU kernel",
         condition=_missing_module("kernels"),
+    ),
+    KnownNotice(
+        logger="DeepSpeed",
+        # deepspeed/accelerator/real_accelerator.py get_accelerator(), run when deepspeed is imported — which accelerate
+        # does in extract_model_from_parallel (TRL's GRPOTrainer.__init__) whenever DeepSpeed is installed
+        pattern=r"^Setting accelerator to CPU\. If you have GPU or other accelerator, we were unable to detect it\.$",
+        why="DeepSpeed is installed but this run does not use it; on a machine without CUDA, CPU is the right answer",
+        condition=_cuda_unavailable,
     ),
     KnownNotice(
         logger="torch._library.triton",
