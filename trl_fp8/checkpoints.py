@@ -558,6 +558,35 @@ def save_final_model(trainer, output_dir: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
+def save_stopped_run(trainer, trial):
+    """After :class:`~trl_fp8.components.StopNow` cut an optimizer step short: the weights, optimizer and scheduler are
+    still those of the last complete step (its gradients were never applied), so that step's checkpoint is written
+    — with TRL's generation buffer as it was at that step's end — unless it exists already (saved at that step, or
+    the one resumed from). Then the callbacks' ``on_train_end`` runs (trackers flush) and ``train()`` returns."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
+
+    state, args = trainer.state, trainer.args
+    boundary = getattr(trainer, "_step_boundary", None)
+    if boundary is not None:
+        trainer._step, trainer._buffered_inputs = boundary
+    else:  # cut inside the first step of this session: no buffer from it (a resume generates afresh, as TRL does)
+        trainer._buffered_inputs = None
+    if trainer.optimizer is not None:
+        trainer.optimizer.zero_grad(set_to_none=True)  # the cut step's partial gradients
+    step = state.global_step
+    existing = os.path.join(_trl.run_dir(trainer, trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+    saved = None
+    if step > 0 and not check_complete(existing).complete:
+        saved = save_checkpoint(trainer, trial)
+    if state.is_world_process_zero:
+        logger.warning("trl_fp8: the step in flight (%d) was stopped at a micro-batch/generation boundary; %s. Resume "
+                       "with resume_from_checkpoint='auto'.", step + 1,
+                       f"saved {saved} (step {step})" if saved else
+                       (f"{existing} (step {step}) is already saved" if step > 0 else "no step had completed"))
+    trainer.control = trainer.callback_handler.on_train_end(args, state, trainer.control)
+    return TrainOutput(step, float("nan"), {"stopped_in_step": step + 1})
+
+
 def rotate(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None, newest: str) -> list[str]:
     """transformers' rotation (oldest first by modification time, numeric order where mtimes are unreliable; the best
     checkpoint kept), over *complete* checkpoints only, never removing ``newest``. Returns the removed paths."""

@@ -57,6 +57,10 @@ def check_fraction(field_name: str, value) -> None:
         raise ValueError(f"{field_name} must be in (0, 1], got {value!r}.")
 
 
+class StopNow(Exception):
+    """Raised by the trainer when a capability's :meth:`Capability.stop_now` asks to stop the step in flight."""
+
+
 class Capability:
     name: str = ""
     Args: type | None = None  # the GRPOConfig fields of this capability (a dataclass mixin)
@@ -87,8 +91,18 @@ class Capability:
     def logits_processors(self, trainer) -> list:
         return []
 
+    def stopping_criteria(self, trainer) -> list:
+        """Extra ``StoppingCriteria`` for the in-process generation (transformers' ``generate``)."""
+        return []
+
     def after_generation(self, trainer, completion_ids) -> None:
         pass
+
+    def stop_now(self, trainer) -> bool:
+        """Asked on every process at the same points — each micro-batch's start and right after each generation —
+        so it may run a collective: True stops the optimizer step in flight (:class:`StopNow`); the trainer then
+        saves the last complete step's checkpoint and ``train()`` returns."""
+        return False
 
     # -- the sampler it owns, for the weight-sync checks --------------------------------------------------------
     def rollout_sampler(self, trainer):

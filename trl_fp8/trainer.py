@@ -21,7 +21,7 @@ from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from . import _trl, checkpoints, distributed, models, trackers
 from .capabilities import CAPABILITIES
-from .components import Capability
+from .components import Capability, StopNow
 from .config import GRPOConfig
 from .report import MetricsJsonlCallback
 
@@ -104,25 +104,49 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if self.use_vllm and duet is not None and self.model.training:  # DUET on the engine, after TRL's sync
             generate = functools.partial(duet.generate_vllm, self)
             with _trl.replacing_vllm_generate(self.vllm_generation, generate):
-                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                     has_tool_images)
+                out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                    has_tool_images)
+            self._stop_point()
+            return out
         if self.use_vllm or self.use_transformers_continuous_batching or not self.capabilities:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                has_tool_images)
+            self._stop_point()
+            return out
         model = self._generation_model()  # 1. Fair Cast swaps the model
         caps = list(self.capabilities.values())
         with contextlib.ExitStack() as stack:
             for c in caps:
                 stack.enter_context(c.generating(self))
             if duet is not None and self.model.training:  # 2. DUET replaces the path
-                return duet.generate(self, prompt_ids, images, multimodal_fields, num_generations, model)
-            processors = [p for c in caps for p in c.logits_processors(self)]  # 3. the checks' logprob tap
-            with _trl.generating_with(self, model, processors):
+                out = duet.generate(self, prompt_ids, images, multimodal_fields, num_generations, model)
+                self._stop_point()
+                return out
+            processors = [p for c in caps for p in c.logits_processors(self)]  # 3. extra processors and
+            criteria = [x for c in caps for x in c.stopping_criteria(self)]  # criteria (the time budget's stop)
+            with _trl.generating_with(self, model, processors, criteria):
                 completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                                          num_generations, has_tool_images)
+        self._stop_point()  # before any capability sees a generation a stop may have cut short
         for c in caps:
             c.after_generation(self, completion_ids)
         return completion_ids, logprobs
+
+    # -- stopping the step in flight (e.g. on SIGTERM): at a micro-batch or generation boundary ------------------
+    def _stop_point(self) -> None:
+        """Ask every capability (all of them, on every process, at the same points: they may all-reduce) whether to
+        stop the optimizer step in flight; :meth:`train` then saves the last complete step."""
+        if not self.model.training or not self.capabilities:
+            return
+        if any([c.stop_now(self) for c in self.capabilities.values()]):  # a list: every capability is asked
+            raise StopNow()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._stop_point()
+        out = super().training_step(model, inputs, num_items_in_batch)
+        if self._step % self.current_gradient_accumulation_steps == 0:  # the last micro-batch of an optimizer step
+            self._step_boundary = (self._step, self._buffered_inputs)  # what a checkpoint after it holds
+        return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -177,7 +201,11 @@ class GRPOTrainer(_TRLGRPOTrainer):
         finished = checkpoints.finished_run(self, resume)  # at max_steps already: nothing to train
         if finished is not None:
             return finished
-        return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+        self._step_boundary = None
+        try:
+            return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+        except StopNow:  # a capability stopped the step in flight: keep the last complete one
+            return checkpoints.save_stopped_run(self, trial)
 
     def _save_checkpoint(self, model, trial):
         checkpoints.save_checkpoint(self, trial)  # what TRL writes, written atomically; push and rotation after

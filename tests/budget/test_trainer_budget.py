@@ -171,3 +171,73 @@ def test_resume_from_a_checkpoint_written_without_a_budget(tmp_path, demo_dir, s
     resumed.train(resume_from_checkpoint=True)  # nothing to restore: none used before this session
     assert resumed.state.global_step == 3
     assert _metric(resumed, "budget/elapsed_s", 2) == [STEP_S]
+
+
+# -- SIGTERM in the middle of a step: stopped at the next boundary, the last complete step saved ------------------
+class SigtermInGeneration:
+    """SIGTERM at the ``call``-th forward of the generation of step ``step + 1``; counts the forwards after it."""
+
+    def __init__(self, trainer, step=2, call=3):
+        self.trainer, self.step, self.call = trainer, step, call
+        self.calls = self.after = 0
+        self.sent = False
+        self.handle = trainer.model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if self.trainer.state.global_step != self.step:
+            return
+        self.calls += 1
+        if self.sent:
+            self.after += 1
+        elif self.calls == self.call:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SigtermAtStepBegin(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_mid_generation_saves_the_last_complete_step_at_once(tmp_path, demo_dir, caplog, sigterm_guard):
+    trainer = _trainer(demo_dir, tmp_path / "out", time_budget="10h", max_steps=5, max_completion_length=16)
+    spy = SigtermInGeneration(trainer)
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        output = trainer.train()
+    spy.handle.remove()
+    assert spy.sent and spy.after == 0  # the generation in flight ended at the decoding step the signal came in
+    assert trainer.state.global_step == 2 and output.global_step == 2  # step 3 never reached its optimizer step
+    assert output.metrics == {"stopped_in_step": 3}
+    assert [d for d in os.listdir(tmp_path / "out") if d.startswith("checkpoint-")] == ["checkpoint-2"]
+    _assert_complete(str(tmp_path / "out" / "checkpoint-2"), 2)
+    assert not os.path.exists(tmp_path / "out" / "checkpoint-2" / "grpo_generation_state.pt")  # at a boundary
+    assert "the step in flight (3) was stopped at a micro-batch/generation boundary; saved" in caplog.text
+    assert trainer.capability("time_budget").callback.stopping == "SIGTERM"
+    assert sigterm_guard == [] and signal.getsignal(signal.SIGTERM) != trainer.capability("time_budget").sigterm.handle
+    resumed = _trainer(demo_dir, tmp_path / "out", time_budget="10h", max_steps=5, max_completion_length=16)
+    resumed.train(resume_from_checkpoint="auto")
+    assert resumed.state.global_step == 5
+
+
+def test_sigterm_between_micro_batches_of_a_generation_keeps_that_steps_buffer(tmp_path, demo_dir, sigterm_guard):
+    """steps_per_generation=2 (one generation feeds two optimizer steps): stopped at step 4's first micro-batch, the
+    checkpoint of step 3 holds the buffer as it was at step 3's end — the run resumes as it would have gone on."""
+    common = dict(time_budget="10h", max_steps=6, steps_per_generation=2)
+    straight = _trainer(demo_dir, tmp_path / "straight", **common)
+    straight.train()
+    cut = _trainer(demo_dir, tmp_path / "cut", [SigtermAtStepBegin(3)], **common)
+    output = cut.train()
+    assert cut.state.global_step == 3 and output.metrics == {"stopped_in_step": 4}
+    checkpoint = str(tmp_path / "cut" / "checkpoint-3")
+    _assert_complete(checkpoint, 3)
+    assert os.path.isfile(os.path.join(checkpoint, "grpo_generation_state.pt"))  # between two generations
+    resumed = _trainer(demo_dir, tmp_path / "cut", **common)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    import torch
+
+    same = [torch.equal(p, q) for p, q in zip(straight.model.parameters(), resumed.model.parameters())]
+    assert resumed.state.global_step == 6 and all(same)  # step 4 trained on the buffer it would have had

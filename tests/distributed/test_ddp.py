@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "ddp_worker.py")
-SCENARIOS = ("duet_sr", "ef", "duet_keyed", "mxfp8", "qlora", "fault", "replica_fault")
+SCENARIOS = ("duet_sr", "ef", "duet_keyed", "mxfp8", "qlora", "fault", "replica_fault", "sigterm")
 
 
 def _env():
@@ -138,3 +138,15 @@ def test_duet_plans_as_one_process_with_the_same_global_batch(runs):
     for key, tol in (("duet/tokens", 0.0), ("duet/rollouts_per_prompt/mean", 0.0), ("loss", 1e-4)):
         x, y = _metric_series(two[0], key), _metric_series(one, key)
         assert len(x) == len(y) == 3 and x == pytest.approx(y, rel=tol, abs=1e-7), key
+
+
+def test_sigterm_to_one_rank_mid_generation_stops_both_at_the_next_boundary(runs):
+    """SIGTERM reaches rank 0 alone, at the 3rd decoding forward of step 3: its generation ends at the next decoding
+    step, both ranks agree (one all-reduce per boundary) to drop the step in flight, and checkpoint-2 — the last
+    complete step — is written by the two of them, complete, long before step 3 would have ended."""
+    a, b = _load(runs["two"], "sigterm", 2)  # the launch's status is the fault scenarios' (3)
+    assert a["sigterm"]["sent"] and a["sigterm"]["after"] <= 1  # the generation in flight ended at once
+    for r in (a, b):
+        assert r["global_step"] == 2 and r["stopping"] == "SIGTERM"
+        assert r["train_output"] == {"stopped_in_step": 3}
+    assert a["checkpoints"] == ["checkpoint-2"] and a["complete"] == {"checkpoint-2": True}

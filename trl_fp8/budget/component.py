@@ -19,7 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from transformers import TrainerCallback
+from transformers import StoppingCriteria, TrainerCallback
 
 from .. import _trl
 from ..components import Capability, check_choice
@@ -245,6 +245,18 @@ class BudgetCallback(TrainerCallback):
         self.budget.sigterm.uninstall()
 
 
+class EndGenerationOnSigterm(StoppingCriteria):
+    """A stopping criterion that, once SIGTERM has been received, ends every sequence of the generation in flight at
+    the next decoding step instead of at ``max_completion_length``. The step it belonged to is then stopped (see
+    :meth:`TimeBudget.stop_now`), so the cut completions are never scored or trained on."""
+
+    def __init__(self, hook: SigtermHook):
+        self.hook = hook
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.hook.requested, dtype=torch.bool, device=input_ids.device)
+
+
 class TimeBudget(Capability):
     name = "time_budget"
     Args = TimeBudgetArgs
@@ -294,6 +306,29 @@ class TimeBudget(Capability):
         if args.save_strategy == "no":
             logger.info("time budget with save_strategy='no': a checkpoint is still written when the budget (or a "
                         "SIGTERM) stops training, so the run can resume.")
+        return True
+
+    # -- SIGTERM: stop the step in flight -----------------------------------------------------------------------
+    def stopping_criteria(self, trainer) -> list:
+        if not trainer.model.training or not self._stops_mid_step(trainer):
+            return []
+        return [EndGenerationOnSigterm(self.sigterm)]
+
+    @staticmethod
+    def _stops_mid_step(trainer) -> bool:
+        # DeepSpeed and FSDP keep gradient and partition state inside their engines: stop at the step end there
+        return not (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
+
+    def stop_now(self, trainer) -> bool:
+        """After a SIGTERM on any process, stop the optimizer step in flight at the next micro-batch or generation
+        boundary (one all-reduce per boundary with several processes): the last complete step is saved at once,
+        instead of after the rest of a step that can take minutes on a real model — longer than the ~30 s a
+        scheduler leaves between SIGTERM and SIGKILL."""
+        if not self._stops_mid_step(trainer):
+            return False
+        if not any_rank(self.sigterm.requested, trainer.args.device):
+            return False
+        self.callback.stopping = "SIGTERM"
         return True
 
     # -- time ----------------------------------------------------------------------------------------------------
