@@ -119,14 +119,15 @@ def main() -> None:
                 ratios[name].append(run(lambda: fn(r)) / base)
     finally:
         counter.restore()
-    threads = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TRL_FP8_NO_NATIVE") if k in os.environ}
+    threads = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TRL_FP8_NO_NATIVE") if k in os.environ}
     print(f"device {dev}, {args.numel / 1e6:.0f}M elements, {args.rounds} rounds, torch threads "
           f"{torch.get_num_threads()}{', ' + str(threads) if threads else ''}")
     ran = ", ".join(f"{label} x{n}" for label, n in sorted(counter.counts.items()))
     print(f"backend that ran (timed calls): {ran}")
     print(f"plain RTN copy: median {statistics.median(copies) * 1e3:.2f} ms")
     for name, values in ratios.items():
-        print(f"{name:>11} / copy: median {statistics.median(values):.2f}x (min {min(values):.2f}, max {max(values):.2f})")
+        print(f"{name:>11} / copy: median {statistics.median(values):.2f}x "
+              f"(min {min(values):.2f}, max {max(values):.2f})")
     documented = "fused C kernel" if dev == "cpu" else "torch.compile"
     expected = {f"sr: {documented}": args.rounds}
     if dev == "cpu":

@@ -95,8 +95,8 @@ KNOWN_NOTICES: tuple[KnownNotice, ...] = (
     ),
     KnownNotice(
         logger="DeepSpeed",
-        # deepspeed/accelerator/real_accelerator.py get_accelerator(), run when deepspeed is imported — which accelerate
-        # does in extract_model_from_parallel (TRL's GRPOTrainer.__init__) whenever DeepSpeed is installed
+        # deepspeed/accelerator/real_accelerator.py get_accelerator(), run when deepspeed is imported, which
+        # accelerate does in extract_model_from_parallel (TRL's GRPOTrainer.__init__) whenever DeepSpeed is installed
         pattern=r"^Setting accelerator to CPU\. If you have GPU or other accelerator, we were unable to detect it\.$",
         why="DeepSpeed is installed but this run does not use it; on a machine without CUDA, CPU is the right answer",
         condition=_cuda_unavailable,
