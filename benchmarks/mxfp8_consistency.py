@@ -28,6 +28,10 @@ activations in both arms) with ``mxfp8=True`` (emulated) vs ``False``, interleav
 Emulated MXFP8 is *slower* than bf16 on CPU: it quantizes and dequantizes in PyTorch ops around an ordinary matmul.
 
     python benchmarks/mxfp8_consistency.py [--prompts 64] [--rounds 5] [--pairs 5] [--steps 20] [--quick]
+    python benchmarks/mxfp8_consistency.py --model trl-fp8:smollm2 --prompts 16 --pairs 0   # a real model
+
+With ``--model`` (e.g. ``trl-fp8:smollm2``: hidden 576, intermediate 1536, multiples of 32) the same table is
+measured on that model's weights, with chat_math prompts through its chat template.
 
 Last line: ``mxfp8_matched_gap_bf16act: <number>`` -- the MXFP8/MXFP8 mean gap under matched bf16 activations
 (pairing b), median over rounds; the line before it gives bf16/bf16 under the same activations for comparison.
@@ -59,16 +63,31 @@ ACT_NOTES = {"a": "learner fp32 vs sampler bf16: the CPU / Hopper demo setting",
              "d": "learner = the sampler's own bf16 model (full forward vs KV cache): fully matched bf16"}
 
 
-def build_models(device="cpu"):
+DEMO = "trl-fp8:demo-model"
+
+
+def _prompts(model_id: str, tok, prompts: int, seed: int) -> list[str]:
+    """Prompt texts: the arithmetic task on the demo model; chat_math through the chat template on a chat model."""
+    if model_id == DEMO:
+        from trl_fp8.tasks.arithmetic import make_arithmetic_dataset
+
+        return [r["prompt"] for r in make_arithmetic_dataset(prompts, seed=seed)]
+    from trl_fp8.tasks.chat_math import make_chat_math_dataset
+
+    return [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            for r in make_chat_math_dataset(prompts, seed=seed)]
+
+
+def build_models(device="cpu", model_id=DEMO):
     """``{("sampler", fmt, act): model}`` with act in {"bf16", "fp32"} (the parameters' and activations' dtype) and
     ``{("learner", fmt): model}`` (fp32 parameters; bf16 activations come from autocast at scoring time)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trl_fp8.demo.model import demo_model_path
+    from trl_fp8.models import resolve_model
     from trl_fp8.mxfp8.convert import MXRecipe, convert_linears
 
-    base = AutoModelForCausalLM.from_pretrained(demo_model_path()).to(device).eval()
+    base = AutoModelForCausalLM.from_pretrained(resolve_model(model_id), dtype=torch.float32).to(device).eval()
     with torch.no_grad():
         for p in base.parameters():  # the served values: bf16, exactly representable in fp32
             p.copy_(p.to(torch.bfloat16).float())
@@ -100,19 +119,19 @@ def _forced(tokens, prompt_len):
     return Force()
 
 
-def consistency(models, prompts: int, seed: int, device="cpu", max_new_tokens=12):
+def consistency(models, prompts: int, seed: int, device="cpu", max_new_tokens=12, model_id=DEMO):
     """One round: ``{(pairing, sampler_fmt, learner_fmt): (mean gap, max gap, tokens)}`` on one set of rows, plus
     ``"rescore_check"``: max |Δ logit| between the served sampler's sampling run and its forced re-run (0 means
     the forced re-run reproduces the sampler's computation exactly)."""
     import torch
     from transformers import AutoTokenizer, LogitsProcessorList
 
-    from trl_fp8.demo.model import demo_model_path
-    from trl_fp8.tasks.arithmetic import make_arithmetic_dataset
+    from trl_fp8.models import resolve_model
 
-    tok = AutoTokenizer.from_pretrained(demo_model_path())
-    data = make_arithmetic_dataset(prompts, seed=seed)
-    enc = tok([r["prompt"] for r in data], return_tensors="pt", padding=True, padding_side="left").to(device)
+    tok = AutoTokenizer.from_pretrained(resolve_model(model_id))
+    texts = _prompts(model_id, tok, prompts, seed)
+    enc = tok(texts, return_tensors="pt", padding=True, padding_side="left",
+              add_special_tokens=model_id == DEMO).to(device)
     p = enc["input_ids"].size(1)
     common = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,
                   return_dict_in_generate=True)
@@ -232,6 +251,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5, help="interleaved step-time pairs (>= 5; 0 skips timing)")
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps per timed run")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=DEMO, help="a model id or trl-fp8:smollm2 (its prompts: chat_math)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 12 (demo), 32 (other models)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 8 prompts, 1 round, no timing (figures not meaningful)")
     args = parser.parse_args()
@@ -242,8 +263,13 @@ def main() -> None:
     elif args.rounds < 5:
         parser.error("--rounds must be >= 5 (the figures are medians)")
 
-    models = build_models(args.device)
-    rounds = [consistency(models, args.prompts, seed, args.device) for seed in range(args.rounds)]
+    if args.model != DEMO and args.pairs:
+        parser.error("--pairs (the MXFP8 step-time comparison) runs on the demo model only: give --pairs 0")
+    new_tokens = args.max_new_tokens or (12 if args.model == DEMO else 32)
+    models = build_models(args.device, args.model)
+    rounds = [consistency(models, args.prompts, seed, args.device, new_tokens, args.model)
+              for seed in range(args.rounds)]
+    print(f"model {args.model}, {new_tokens} new tokens per row")
     summary = summarize(rounds)
     tokens = [r["a", "bf16", "bf16"][2] for r in rounds]
     print(f"\nmean/max |log π_learner − log μ_sampler| per token; {args.rounds} rounds × {args.prompts} prompts "

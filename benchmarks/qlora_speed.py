@@ -103,6 +103,7 @@ class Setup:
     warmup: bool = True
     seed: int = 0
     extra: dict = field(default_factory=dict)  # extra GRPOConfig fields for every arm
+    model: str | None = None  # a pretrained model (e.g. trl-fp8:smollm2) instead of the random-weight Qwen2
 
     @property
     def torch_dtype(self):
@@ -127,11 +128,26 @@ def model_config(setup: Setup):
 
 
 def build_model_dir(path: str, setup: Setup) -> int:
-    """Save the random-weight model (in the compute dtype) and the tokenizer to ``path``; returns its parameters."""
+    """Save the random-weight model (in the compute dtype) and the tokenizer to ``path``; returns its parameters.
+    With ``setup.model``, that pretrained model (resolved like any model id) in the compute dtype instead."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     from trl_fp8.tokenization import build_char_tokenizer
+
+    if setup.model is not None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from trl_fp8.models import resolve_model
+
+        source = resolve_model(setup.model)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=setup.torch_dtype)
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(source).save_pretrained(path)
+        n = sum(p.numel() for p in model.parameters())
+        del model
+        gc.collect()
+        return n
 
     torch.manual_seed(setup.seed)
     with torch.device(setup.device):  # random init on the device: seconds for a 0.5B shape on a GPU
@@ -523,8 +539,7 @@ def run_comparison(setup: Setup, log=None) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         model_dir = os.path.join(workdir, "model")
         results["parameters"] = build_model_dir(model_dir, setup)
-        log(f"model: {results['parameters'] / 1e6:.1f}M parameters ({setup.layers} layers, hidden {setup.hidden}), "
-            f"{setup.dtype}, in {model_dir}")
+        log(f"model: {describe_model(results['parameters'], setup)}, {setup.dtype}, in {model_dir}")
         memory = {}
         if setup.device.startswith("cuda"):
             import torch
@@ -563,6 +578,12 @@ def run_comparison(setup: Setup, log=None) -> dict:
     return results
 
 
+def describe_model(parameters: int, setup: Setup) -> str:
+    if setup.model is not None:
+        return f"{setup.model} (pretrained weights), {parameters / 1e6:.1f}M parameters"
+    return f"random-weight Qwen2, {parameters / 1e6:.1f}M parameters ({setup.layers} layers, hidden {setup.hidden})"
+
+
 def _median(per_rep, arm, key):
     return statistics.median(r[arm][key] for r in per_rep)
 
@@ -592,8 +613,8 @@ def report(results: dict, out=print, strict: bool = True) -> None:
                 f"{setup.steps} steps" if setup.device == "cpu" else
                 "torch.cuda.memory_allocated minus its value before the build; resident: after the build; peak: "
                 f"max_memory_allocated during the arm's first run ({setup.steps} steps)")
-    out(f"\nmodel: random-weight Qwen2, {results['parameters'] / 1e6:.1f}M parameters ({setup.layers} layers, hidden "
-        f"{setup.hidden}), {setup.dtype} compute, {setup.device}; {setup.batch} completions of {setup.completion} "
+    out(f"\nmodel: {describe_model(results['parameters'], setup)}, {setup.dtype} compute, {setup.device}; "
+        f"{setup.batch} completions of {setup.completion} "
         f"tokens per step ({setup.generations} per prompt); {setup.reps} repetitions × {setup.steps} steps per run "
         f"(first step of each run untimed); medians")
     out(f"{'arm':<24} | {'step s':>8} | {'generation s':>12} | {'gen share':>9} | {'dequant/step':>12} | "
@@ -679,6 +700,8 @@ def add_arguments(parser, defaults: Setup) -> None:
     parser.add_argument("--keep-gb", type=float, help=f"(c)'s qlora_keep_budget_gb (default {defaults.keep_gb})")
     parser.add_argument("--cache-gb", type=float,
                         help=f"(c)'s qlora_rollout_cache_gb (default {defaults.cache_gb})")
+    parser.add_argument("--model", help="a pretrained model id (e.g. trl-fp8:smollm2) instead of the random-weight "
+                        "Qwen2 (--layers/--hidden then do not apply)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 layers, hidden 64, 16-token completions, 1 repetition of 2 steps, no "
                              "warm-up, 1 seed (seconds; the figures are not meaningful)")
@@ -692,6 +715,10 @@ def setup_from_args(parser, args, defaults: Setup) -> Setup:
     if "hidden" in given and given["hidden"] != setup.hidden:
         given["intermediate"] = None  # a custom width gets the 4x MLP
     setup = replace(setup, **given)
+    if args.model:
+        if "layers" in given or "hidden" in given:
+            parser.error("--layers/--hidden shape the random-weight model; a --model has its own shape")
+        setup = replace(setup, model=args.model)
     if setup.layers < 1:
         parser.error(f"--layers must be >= 1, got {setup.layers}")
     if setup.hidden < HEAD_DIM or setup.hidden % HEAD_DIM:
