@@ -5,6 +5,12 @@ other way round, so machine noise and drift hit both alike); each run trains `--
 step time after the first (warm-up) step. The figure is the median over pairs of (trl_fp8 / trl).
 
     python benchmarks/overhead.py [--pairs 9] [--steps 40]
+    python benchmarks/overhead.py --model trl-fp8:smollm2 --pairs 5 --steps 4 --with-features
+
+With ``--model trl-fp8:smollm2``: SmolLM2-135M-Instruct on the ``chat_math`` task in TRL's default precision
+(``bf16=True``), 2 prompts x 4 generations of exactly ``--cap`` tokens (``min_new_tokens`` = the cap, so every arm
+generates the same number of tokens whatever it samples: like for like). ``--with-features`` adds a third arm in
+each repetition, trl_fp8 with Fair Cast SR and the default weight-sync checks, and its ratio to TRL.
 
 Last line: `overhead_ratio: <number>` (goal <= 1.02).
 """
@@ -38,28 +44,43 @@ def _step_timer():
     return StepTimer()
 
 
-def one_run(flavour: str, steps: int, workdir: str) -> float:
+DEMO = "trl-fp8:demo-model"
+
+
+def one_run(flavour: str, steps: int, workdir: str, model: str = DEMO, cap: int = 48) -> float:
     import trl
 
     import trl_fp8
-    from trl_fp8.demo.model import demo_model_path
-    from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
     trainer_cls, config_cls = {
         "trl": (trl.GRPOTrainer, trl.GRPOConfig),
         "trl_fp8": (trl_fp8.GRPOTrainer, trl_fp8.GRPOConfig),
+        "trl_fp8_features": (trl_fp8.GRPOTrainer, trl_fp8.GRPOConfig),
     }[flavour]
+    extra = dict(fair_cast="stochastic", sync_checks="default") if flavour == "trl_fp8_features" else {}
+    if model == DEMO:
+        from trl_fp8.demo.model import demo_model_path
+        from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+
+        shape = dict(bf16=False, learning_rate=1e-4, per_device_train_batch_size=64, num_generations=8,
+                     max_completion_length=16)
+        model_id, rewards, dataset = demo_model_path(), [correctness_reward, format_reward], make_arithmetic_dataset(
+            2000, seed=0)
+    else:
+        from trl_fp8.models import resolve_model
+        from trl_fp8.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
+
+        shape = dict(bf16=True, learning_rate=5e-6, per_device_train_batch_size=8, num_generations=4,
+                     max_completion_length=cap, generation_kwargs={"min_new_tokens": cap})
+        model_id, rewards, dataset = resolve_model(model), [correctness_reward, boxed_format_reward], \
+            make_chat_math_dataset(2000, seed=0)
     args = config_cls(
-        output_dir=os.path.join(workdir, flavour), use_cpu=True, bf16=False, max_steps=steps,
-        learning_rate=1e-4, per_device_train_batch_size=64, num_generations=8, max_completion_length=16,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        gradient_checkpointing=False, seed=0,
+        output_dir=os.path.join(workdir, flavour), use_cpu=True, max_steps=steps, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=0,
+        **shape, **extra,
     )
     timer = _step_timer()
-    trainer = trainer_cls(
-        model=demo_model_path(), reward_funcs=[correctness_reward, format_reward], args=args,
-        train_dataset=make_arithmetic_dataset(2000, seed=0), callbacks=[timer],
-    )
+    trainer = trainer_cls(model=model_id, reward_funcs=rewards, args=args, train_dataset=dataset, callbacks=[timer])
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
@@ -71,26 +92,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=9, help="interleaved trl/trl_fp8 pairs (>= 5)")
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
+    parser.add_argument("--model", default=DEMO, help="trl-fp8:demo-model (default) or e.g. trl-fp8:smollm2")
+    parser.add_argument("--cap", type=int, default=48, help="tokens per completion (fixed) with --model")
+    parser.add_argument("--with-features", action="store_true",
+                        help="a third arm: trl_fp8 with Fair Cast SR and the default checks")
     args = parser.parse_args()
     if args.pairs < 5:
         parser.error("--pairs must be >= 5 (the figure is a median over pairs)")
     if args.steps < 3:
         parser.error("--steps must be >= 3")
 
-    ratios = []
+    flavours = ["trl", "trl_fp8"] + (["trl_fp8_features"] if args.with_features else [])
+    ratios, feature_ratios = [], []
     with tempfile.TemporaryDirectory() as workdir:
-        one_run("trl", 3, workdir)  # warm caches and imports before anything is timed
+        one_run("trl", 3, workdir, args.model, args.cap)  # warm caches and imports before anything is timed
         for i in range(args.pairs):
-            # Alternate which flavour goes first, so drift within a pair does not favour either.
-            if i % 2 == 0:
-                base = one_run("trl", args.steps, workdir)
-                ours = one_run("trl_fp8", args.steps, workdir)
-            else:
-                ours = one_run("trl_fp8", args.steps, workdir)
-                base = one_run("trl", args.steps, workdir)
-            ratios.append(ours / base)
-            print(f"pair {i + 1}: trl {base * 1e3:.1f} ms/step, trl_fp8 {ours * 1e3:.1f} ms/step, "
-                  f"ratio {ours / base:.3f}", file=sys.stderr, flush=True)
+            # Rotate which flavour goes first, so drift within a repetition does not favour any.
+            order = flavours[i % len(flavours):] + flavours[:i % len(flavours)]
+            times = {f: one_run(f, args.steps, workdir, args.model, args.cap) for f in order}
+            ratios.append(times["trl_fp8"] / times["trl"])
+            if args.with_features:
+                feature_ratios.append(times["trl_fp8_features"] / times["trl"])
+            print(f"repetition {i + 1}: " + ", ".join(f"{f} {t * 1e3:.1f} ms/step" for f, t in times.items())
+                  + f", trl_fp8/trl {ratios[-1]:.3f}", file=sys.stderr, flush=True)
+    print(f"model {args.model}: median step time after the first, {args.steps} steps per run, {args.pairs} "
+          "interleaved repetitions")
+    if feature_ratios:
+        print(f"with Fair Cast SR + default checks / trl: {', '.join(f'{r:.3f}' for r in feature_ratios)}; "
+              f"median {statistics.median(feature_ratios):.3f}")
     print(f"ratios: {', '.join(f'{r:.3f}' for r in ratios)}")
     print(f"overhead_ratio: {statistics.median(ratios):.3f}")
 

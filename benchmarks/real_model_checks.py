@@ -34,7 +34,8 @@ KEYS = ("sync/logp_gap_mean", "sync/logp_gap_max", "sync/logp_gap_numerics", "sy
         "sync/logp_gap_judged", "sync/logp_gap_limit", "sync/logp_over_band_frac", "sync/is_ratio_seq_max")
 
 
-def run(precision: str, adapters: str, steps: int, seed: int, vllm: bool, root: str, cap: int) -> dict:
+def run(precision: str, adapters: str, steps: int, seed: int, vllm: bool, root: str, cap: int,
+        checks: str = "default") -> dict:
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
@@ -51,13 +52,14 @@ def run(precision: str, adapters: str, steps: int, seed: int, vllm: bool, root: 
         output_dir=tempfile.mkdtemp(dir=root), use_cpu=True, report_to="none", disable_tqdm=True,
         save_strategy="no", logging_steps=1, max_steps=steps, learning_rate=1e-5 if adapters == "full" else 1e-4,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=cap, seed=seed,
-        sync_checks="default", **precision_kwargs(precision, vllm), **engine,
+        sync_checks=checks, **precision_kwargs(precision, vllm), **engine,
     )
     trainer = trl_fp8.GRPOTrainer(model="trl-fp8:smollm2", reward_funcs=[correctness_reward, boxed_format_reward],
                                   args=args, train_dataset=make_chat_math_dataset(200, seed=seed),
                                   peft_config=peft_config)
     trainer.remove_callback(PrinterCallback)
-    out = {"precision": precision, "adapters": adapters, "seed": seed, "vllm": vllm, "stopped_by": None,
+    out = {"precision": precision, "adapters": adapters, "seed": seed, "vllm": vllm, "checks": checks,
+           "stopped_by": None,
            "message": ""}
     start = time.perf_counter()
     try:
@@ -66,6 +68,8 @@ def run(precision: str, adapters: str, steps: int, seed: int, vllm: bool, root: 
         out["stopped_by"], out["message"] = err.check, str(err)
     out["seconds"] = round(time.perf_counter() - start, 1)
     out["steps_done"] = trainer.state.global_step
+    monitor = getattr(trainer.capability("sync_checks"), "monitor", None)
+    out["checks_summary"] = monitor.summary() if monitor is not None else None
     out["records"] = [{k: r[k] for k in KEYS if k in r} for r in trainer.state.log_history
                       if "sync/logp_gap_mean" in r]
     if vllm:
@@ -81,6 +85,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cap", type=int, default=96, help="max_completion_length")
     parser.add_argument("--vllm", action="store_true")
+    parser.add_argument("--checks", default="default", help="sync_checks: default, all, or check names")
     parser.add_argument("--jsonl", default=None)
     args = parser.parse_args()
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
@@ -102,7 +107,7 @@ def main() -> None:
             for adapter in adapters:
                 if precision == "bf16-model" and adapter == "lora":
                     continue
-                res = run(precision, adapter, args.steps, args.seed, args.vllm, root, args.cap)
+                res = run(precision, adapter, args.steps, args.seed, args.vllm, root, args.cap, args.checks)
                 results.append(res)
                 sampler = "vllm" if args.vllm else "twin"
                 print(f"{precision:<10} {adapter:<5} {sampler}: {res['steps_done']}/{args.steps} steps in "
