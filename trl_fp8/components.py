@@ -24,13 +24,22 @@ them; every hook has a do-nothing default, so a capability implements only what 
 - many processes: ``engines`` (per engine, None: supported, or why it is refused) and ``off_hint`` (the setting that
   turns it off), applied at config time and at trainer start by :func:`trl_fp8.distributed.admit`.
 
-Where two capabilities must compose (DUET replaces the generation path; Fair Cast swaps the model it runs; the
-checks observe Fair Cast's sync), the order is written once, in the trainer.
+Where capabilities meet is declared data, read in one place (:mod:`trl_fp8.composition`), not code in the trainer:
+
+- ``after``: the capabilities whose set-up this one builds on; the set-up order is derived from it (and a cycle or an
+  unknown name is an error at import);
+- ``conflicts``: the settings it cannot run with (:class:`Conflict`: a field and why), and ``excludes``: the other
+  capabilities it cannot run with — checked once, when a ``GRPOConfig`` is built, naming both sides;
+- ``serving(trainer)``, ``generation_model(trainer)`` and ``engine_context(args)`` offer what replaces TRL's sync
+  stream, the in-process generation model and the vLLM engine's build context; ``overrides`` names the capabilities
+  whose offer this one's replaces when both offer (two offers without a declared winner are an error).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -57,6 +66,25 @@ def check_fraction(field_name: str, value) -> None:
         raise ValueError(f"{field_name} must be in (0, 1], got {value!r}.")
 
 
+@dataclass(frozen=True)
+class Conflict:
+    """A ``GRPOConfig`` setting a capability cannot run with: ``field`` set (truthy), optionally only ``when`` the
+    capability's own settings say so (e.g. ``fast_qlora='on'``, not ``'auto'``); ``why`` completes the error."""
+
+    field: str
+    why: str
+    when: Callable | None = None
+
+
+@dataclass
+class Serving:
+    """What a capability serves to the sampler in place of TRL's stream of the learner's parameters."""
+
+    stream: object  # () -> iterable of (learner name, tensor in ``dtype``)
+    dtype: torch.dtype
+    sampler: object = None  # the in-process sampler it writes to (None with vLLM: TRL's sync sends the stream)
+
+
 class StopNow(Exception):
     """Raised by the trainer when a capability's :meth:`Capability.stop_now` asks to stop the step in flight."""
 
@@ -72,6 +100,21 @@ class Capability:
     engines: dict = {}
     off_hint: str = ""  # the setting that turns the capability off, for refusals (e.g. "fair_cast='off'")
     soft_default = None  # (args) -> truthy when on by default and not asked for: refused, it says so and stays off
+    # Composition (see the module docstring): read by trl_fp8.composition, never by the trainer directly.
+    after: tuple[str, ...] = ()  # capabilities whose set-up this one builds on
+    conflicts: tuple[Conflict, ...] = ()  # settings it cannot run with
+    excludes: dict[str, str] = {}  # other capability -> why the two cannot run together
+    overrides: tuple[str, ...] = ()  # capabilities whose serving / generation model this one's replaces
+
+    @classmethod
+    def asked(cls, args) -> str:
+        """How the run asked for it, for messages (e.g. ``fair_cast='stochastic'``)."""
+        return f"{cls.name}={getattr(args, cls.name, None)!r}"
+
+    @classmethod
+    def engine_context(cls, args):
+        """A context manager TRL's vLLM engine is built in (config time, before any capability exists), or None."""
+        return None
 
     @classmethod
     def wanted(cls, args) -> bool:
@@ -103,6 +146,23 @@ class Capability:
         so it may run a collective: True stops the optimizer step in flight (:class:`StopNow`); the trainer then
         saves the last complete step's checkpoint and ``train()`` returns."""
         return False
+
+    def serving(self, trainer) -> Serving | None:
+        """What to send the sampler instead of TRL's stream of the learner's parameters, or None."""
+        return None
+
+    def generation_model(self, trainer):
+        """The in-process model to generate with instead of the learner (synced for this step), or None."""
+        return None
+
+    def generation_path(self, trainer):
+        """A function replacing the in-process generation call — ``(prompt_ids, images, multimodal_fields,
+        num_generations, model) -> (completion_ids, logprobs)`` — or None (TRL's path, with the hooks above)."""
+        return None
+
+    def vllm_generate(self, trainer):
+        """A function answering TRL's colocated vLLM engine call (after TRL's own sync), or None."""
+        return None
 
     # -- the sampler it owns, for the weight-sync checks --------------------------------------------------------
     def rollout_sampler(self, trainer):

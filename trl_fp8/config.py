@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from trl import GRPOConfig as _TRLGRPOConfig
 
 from .capabilities import CAPABILITIES
+from .composition import check_conflicts
 from .components import check_choice  # noqa: F401  (re-exported: part of trl_fp8.config's API)
 from .precision import PrecisionArgs, resolve_precision
 
@@ -48,6 +49,7 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
         self._validate_metrics_jsonl()
         for capability in CAPABILITIES:
             capability.validate(self)
+        check_conflicts(CAPABILITIES, self)  # declared per capability, checked once
         self._admit_engine()
 
     def _admit_engine(self) -> None:

@@ -13,26 +13,15 @@ of :class:`trl_fp8.GRPOConfig` at its default the list is empty and training is 
 from __future__ import annotations
 
 import contextlib
-import functools
-from dataclasses import dataclass
 
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from . import _trl, checkpoints, distributed, models, trackers
+from . import _trl, checkpoints, composition, distributed, models, trackers
 from .capabilities import CAPABILITIES
-from .components import Capability, StopNow
+from .components import Capability, Serving, StopNow
 from .config import GRPOConfig
 from .report import MetricsJsonlCallback
-
-
-@dataclass
-class Serving:
-    """What a capability serves to the sampler in place of TRL's stream of the learner's parameters."""
-
-    stream: object  # () -> iterable of (learner name, tensor in ``dtype``)
-    dtype: torch.dtype
-    sampler: object = None  # the in-process sampler it writes to (None with vLLM: TRL's sync sends the stream)
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -48,7 +37,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *pargs, **kwargs):
         model = models.resolve_model(model)  # e.g. "trl-fp8:smollm2" -> its converted folder
-        with _trl.engine_context(args):
+        with _trl.engine_context(args, CAPABILITIES):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         trackers.attach(self)  # W&B / trackio: a resumed session continues the same run
         self.capabilities = {}
@@ -76,34 +65,22 @@ class GRPOTrainer(_TRLGRPOTrainer):
         return out
 
     def serving(self) -> Serving | None:
-        """What the sampler is sent instead of TRL's stream: Fair Cast's served copy when Fair Cast runs (over a
-        4-bit base too), else fast QLoRA's dense ``dequant(W) + ΔW`` to a vLLM engine; None: TRL's own stream."""
-        fair_cast = self.capability("fair_cast")
-        if fair_cast is not None:
-            return Serving(fair_cast.export_stream, fair_cast.dtype, fair_cast.sampler)
-        export = getattr(self.capability("fast_qlora"), "vllm_export", None)
-        if export is not None:
-            return Serving(export.stream, export.dtype(), None)
-        return None
+        """What the sampler is sent instead of TRL's stream (e.g. Fair Cast's served copy, or fast QLoRA's dense
+        ``dequant(W) + ΔW`` to a vLLM engine), as the capabilities declare it; None: TRL's own stream."""
+        return composition.serving(self)
 
     def _generation_model(self):
-        """The in-process model to generate with instead of the learner: Fair Cast's twin, synced to the current
-        export (the weight-sync checks observe that sync); None when the learner generates itself."""
-        fair_cast = self.capability("fair_cast")
-        if fair_cast is None or fair_cast.sampler is None:
-            return None
-        checks = self.capability("sync_checks")
-        fair_cast.sync(self.state.global_step, checks.monitor if checks is not None else None)
-        return fair_cast.sampler.model
+        """The in-process model to generate with instead of the learner (e.g. Fair Cast's twin, synced to the current
+        export), as the capabilities declare it; None when the learner generates itself."""
+        return composition.generation_model(self)
 
     # Mirrors trl 1.16 GRPOTrainer._generate_single_turn: vLLM and continuous batching are TRL's paths (Fair Cast's
-    # stream and the checks are wired into TRL's sync; with DUET, TRL's vLLM branch runs as it is, its engine call
-    # answered by DUET's step loop); the in-process path runs in this order.
+    # stream and the checks are wired into TRL's sync; a capability may answer TRL's vLLM engine call, e.g. DUET's
+    # step loop); the in-process path runs in this order. Which capability offers what is declared (composition).
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        duet = self.capability("duet")
-        if self.use_vllm and duet is not None and self.model.training:  # DUET on the engine, after TRL's sync
-            generate = functools.partial(duet.generate_vllm, self)
-            with _trl.replacing_vllm_generate(self.vllm_generation, generate):
+        vllm_generate = composition.vllm_generate(self) if self.use_vllm else None
+        if vllm_generate is not None:  # on the engine, after TRL's sync
+            with _trl.replacing_vllm_generate(self.vllm_generation, vllm_generate):
                 out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                     has_tool_images)
             self._stop_point()
@@ -113,13 +90,14 @@ class GRPOTrainer(_TRLGRPOTrainer):
                                                 has_tool_images)
             self._stop_point()
             return out
-        model = self._generation_model()  # 1. Fair Cast swaps the model
+        model = self._generation_model()  # 1. e.g. Fair Cast's twin instead of the learner
         caps = list(self.capabilities.values())
+        path = composition.generation_path(self)
         with contextlib.ExitStack() as stack:
             for c in caps:
                 stack.enter_context(c.generating(self))
-            if duet is not None and self.model.training:  # 2. DUET replaces the path
-                out = duet.generate(self, prompt_ids, images, multimodal_fields, num_generations, model)
+            if path is not None:  # 2. e.g. DUET's planned rollouts replace the path
+                out = path(prompt_ids, images, multimodal_fields, num_generations, model)
                 self._stop_point()
                 return out
             processors = [p for c in caps for p in c.logits_processors(self)]  # 3. extra processors and

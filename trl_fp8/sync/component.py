@@ -81,6 +81,8 @@ class SyncChecks(Capability):
     Args = SyncChecksArgs
     state_file = "sync_checks_state.pt"
     state_required = False  # checks switched on at a resume start counting afresh
+    # they observe the samplers the others set up, and compare logprobs on the batches DUET adjusted
+    after = ("mxfp8", "fast_qlora", "fair_cast", "duet")
 
     def state_dict(self) -> dict:
         return {"format": 1, "monitor": self.monitor.state_dict()}

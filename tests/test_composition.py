@@ -1,0 +1,86 @@
+"""Where capabilities meet, as declared data (trl_fp8.composition): the set-up order derived from ``after``,
+conflicts and exclusions checked once at config time, and one winner among several offers."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from trl_fp8 import composition
+from trl_fp8.capabilities import CAPABILITIES
+from trl_fp8.components import Capability, Conflict
+
+
+def _cap(name, after=(), overrides=(), excludes=None, conflicts=(), wanted=True):
+    return type(name.title(), (Capability,), dict(
+        name=name, after=tuple(after), overrides=tuple(overrides), excludes=dict(excludes or {}),
+        conflicts=tuple(conflicts), wanted=classmethod(lambda cls, args: wanted)))
+
+
+def test_the_shipped_order_follows_every_declared_need():
+    names = [c.name for c in CAPABILITIES]
+    for cap in CAPABILITIES:
+        for need in cap.after:
+            assert names.index(need) < names.index(cap.name), (cap.name, need)
+    assert names.index("fair_cast") > names.index("mxfp8") and names[-2:] == ["sync_checks", "time_budget"]
+
+
+def test_any_listing_order_gives_an_order_that_respects_after():
+    shipped = list(CAPABILITIES)
+    for seed in range(20):
+        shuffled = shipped[:]
+        random.Random(seed).shuffle(shuffled)
+        order = [c.name for c in composition.setup_order(tuple(shuffled))]
+        for cap in shipped:
+            for need in cap.after:
+                assert order.index(need) < order.index(cap.name)
+
+
+def test_a_cycle_or_an_unknown_name_is_refused_at_import():
+    a, b = _cap("a", after=["b"]), _cap("b", after=["a"])
+    with pytest.raises(ValueError, match="cycle: a -> b -> a"):
+        composition.setup_order((a, b))
+    with pytest.raises(ValueError, match="names 'nope', which is not a capability"):
+        composition.setup_order((_cap("a", after=["nope"]),))
+
+
+def test_conflicts_and_exclusions_are_checked_once_naming_both_sides():
+    only_on = _cap("fast", conflicts=[Conflict("batching", "the cache needs the default path.",
+                                               when=lambda args: args.fast == "on")],
+                   excludes={"mx": "nothing dense to quantize."})
+    mx = _cap("mx")
+    args = SimpleNamespace(fast="on", batching=True, mx=True)
+    with pytest.raises(ValueError, match=r"fast='on' cannot be combined with batching=True: the cache needs"):
+        composition.check_conflicts((only_on, mx), args)
+    args.batching = False
+    with pytest.raises(ValueError, match=r"fast='on' cannot be combined with mx=True: nothing dense to quantize"):
+        composition.check_conflicts((only_on, mx), args)
+    args.fast, args.batching = "auto", True
+    with pytest.raises(ValueError, match="cannot be combined with mx=True"):  # `when` spares 'auto' the first
+        composition.check_conflicts((only_on, mx), args)
+    composition.check_conflicts((only_on,), args)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(fair_cast="stochastic", use_transformers_continuous_batching=True),
+     "fair_cast='stochastic' cannot be combined with use_transformers_continuous_batching=True: TRL's"),
+    (dict(duet=True, use_transformers_continuous_batching=True),
+     "duet=True cannot be combined with use_transformers_continuous_batching=True"),
+    (dict(mxfp8=True, use_transformers_continuous_batching=True),
+     "mxfp8=True cannot be combined with use_transformers_continuous_batching=True"),
+    (dict(fast_qlora="on", mxfp8=True), "fast_qlora='on' cannot be combined with mxfp8=True"),
+])
+def test_the_shipped_conflicts_refuse_at_config_time(tmp_path, fields, message):
+    import trl_fp8
+
+    with pytest.raises(ValueError, match=message):
+        trl_fp8.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **fields)
+
+
+def test_one_offer_wins_by_declared_overrides_and_two_undeclared_are_an_error():
+    fair, fast, other = _cap("fair", overrides=["fast"]), _cap("fast"), _cap("other")
+    assert composition.winner({fair: "copy", fast: "dense"}) == "copy"
+    assert composition.winner({fair: None, fast: "dense"}) == "dense"
+    assert composition.winner({fair: None, fast: None}) is None
+    with pytest.raises(RuntimeError, match="none overrides the others"):
+        composition.winner({fast: "dense", other: "x"})
