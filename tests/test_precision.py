@@ -171,7 +171,7 @@ def test_a_colocated_engine_is_started_in_half_when_precision_chose_fp16(monkeyp
 
     calls = []
     monkeypatch.setattr(trl_vllm, "LLM", lambda *a, **kw: calls.append(kw), raising=False)
-    monkeypatch.setattr(_trl, "vllm_platform_is_cpu", lambda: False)
+    monkeypatch.setattr(_trl.vllm_engine, "vllm_platform_is_cpu", lambda: False)
     fp16 = SimpleNamespace(use_vllm=True, vllm_mode="colocate", precision="auto", fp16=True)
     with _trl.engine_context(fp16):
         trl_vllm.LLM(model="m")

@@ -93,7 +93,7 @@ def test_mirrored_trl_code_is_unchanged():
     moved = [f"{qualname}: fingerprint {_trl.fingerprint(qualname)} (pinned {pinned}) — we rely on: "
              f"{_trl.MIRRORED[qualname]}" for qualname, pinned in FINGERPRINTS.items()
              if _trl.fingerprint(qualname) != pinned]
-    assert not moved, ("TRL code whose internals trl_fp8 depends on changed; re-read it, adapt trl_fp8/_trl.py, then "
+    assert not moved, ("TRL code whose internals trl_fp8 depends on changed; re-read it, adapt trl_fp8/_trl/, then "
                        "re-pin:\n" + "\n".join(moved))
 
 

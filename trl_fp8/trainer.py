@@ -122,7 +122,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._stop_point()
         out = super().training_step(model, inputs, num_items_in_batch)
-        if self._step % self.current_gradient_accumulation_steps == 0:  # the last micro-batch of an optimizer step
+        accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        if self._step % accumulation == 0:  # the last micro-batch of an optimizer step
             self._step_boundary = (self._step, self._buffered_inputs)  # what a checkpoint after it holds
         return out
 

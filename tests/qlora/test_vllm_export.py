@@ -108,7 +108,7 @@ def test_dense_engine_drops_only_trls_bitsandbytes_quantization(monkeypatch):
 
     calls = []
     monkeypatch.setattr(trl_vllm, "LLM", lambda *a, **kw: calls.append(kw), raising=False)
-    monkeypatch.setattr(_trl, "vllm_platform_is_cpu", lambda: False)
+    monkeypatch.setattr(_trl.vllm_engine, "vllm_platform_is_cpu", lambda: False)
     colocate = SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="on")
     with _trl.engine_context(colocate, CAPABILITIES):
         trl_vllm.LLM(model="m", quantization="bitsandbytes")

@@ -1,0 +1,76 @@
+"""Every TRL-, transformers- and vLLM-private name trl_fp8 touches, in one place.
+
+Split by what it adapts — ``trainer`` (TRL's trainer internals), ``checkpoint`` (TRL's and transformers' checkpoint
+internals), ``vllm_engine`` (TRL's vLLM generation and the colocated engine), ``cli`` (TRL's command line) and
+``contract`` (what is pinned) — and re-exported here: callers use ``trl_fp8._trl.<name>``.
+
+Nothing else in trl_fp8 reaches into a private method, an undocumented attribute or a module global of TRL or
+vLLM: it calls a function here. One exception by design: :class:`trl_fp8.samplers.VLLMColocateSampler` is the
+adapter of a vLLM engine's *layers* (``packed_modules_mapping``, ``output_sizes``, ``quant_method``,
+``input_size_per_partition``) and reads them itself; the real-engine tests (``tests/sync/test_vllm_engine.py``)
+exercise every one of them. ``tests/test_trl_contract.py`` pins what this module relies on — the signatures of
+the TRL methods trl_fp8 overrides or calls, the trainer attributes it reads, and a fingerprint (hash of the
+source) of each TRL code block whose *internals* it depends on — so a TRL upgrade fails with the list of what
+moved instead of a silent change. Tested with the TRL range in :data:`TESTED_TRL`.
+"""
+
+from __future__ import annotations
+
+from .checkpoint import (  # noqa: F401
+    write_checkpoint_files,
+    run_dir,
+    load_model_from_checkpoint,
+    push_checkpoint,
+    generation_buffer,
+    advance_train_sampler,
+    restore_generation_buffer,
+)
+from .cli import (  # noqa: F401
+    resolve_accelerate_config,
+    subtract_subsequence,
+)
+from .contract import (  # noqa: F401
+    TESTED_TRL,
+    OVERRIDDEN,
+    TRAINER_ATTRIBUTES,
+    VLLM_ATTRIBUTES,
+    MIRRORED,
+    PATCHED_GLOBALS,
+    resolve,
+    fingerprint,
+)
+from .trainer import (  # noqa: F401
+    record_metric,
+    drop_reward_metrics_of_last_batch,
+    trl_generate,
+    policy_logps,
+    num_beams,
+    generating_with,
+    repatch_fused_head,
+    patch_fused_head,
+)
+from .vllm_engine import (  # noqa: F401
+    trl_vllm_stream,
+    vllm_name,
+    set_vllm_stream,
+    wrap_vllm_sync,
+    vllm_engine_dtype,
+    replacing_vllm_generate,
+    vllm_sampling_kwargs,
+    vllm_delta_params,
+    vllm_add_request,
+    vllm_step,
+    vllm_abort,
+    vllm_model,
+    vllm_weight_version,
+    set_vllm_weight_version,
+    vllm_cached_blocks,
+    plain_cpu_linears,
+    vllm_platform_is_cpu,
+    dense_engine,
+    engine_dtype,
+    vllm_engine_quantization,
+    engine_context,
+    shutdown_vllm,
+    shutdown_trainer_vllm,
+)

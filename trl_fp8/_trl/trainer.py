@@ -1,0 +1,106 @@
+"""TRL's trainer internals: its per-mode metrics, its own generation and logprob paths, the generation call's extra
+processors, the fused lm head."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from trl import GRPOTrainer as TRLGRPOTrainer
+
+# -- the trainer --------------------------------------------------------------------------------------------------
+def record_metric(trainer, name: str, value: float) -> None:
+    """Record into TRL's own per-mode metrics: ``GRPOTrainer.log`` averages them per logging step and sends them
+    to every tracker (W&B, trackio, TensorBoard) and ``log_history``."""
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode][name].append(float(value))
+
+
+def _reward_metric_names(trainer) -> list[str]:
+    """The metrics TRL's ``_generate_and_score_completions`` derives from the rewards of one batch (trl 1.16)."""
+    names = ["reward", "reward_std", "frac_reward_zero_std"]
+    for name in trainer.reward_func_names:
+        names += [f"rewards/{name}/mean", f"rewards/{name}/std"]
+    return names
+
+
+def drop_reward_metrics_of_last_batch(trainer) -> None:
+    """Remove the reward statistics TRL just recorded for a batch whose every row a capability withheld (NaN: DUET
+    sampled nothing): the logging window then averages the batches that did sample, and a window with none has no
+    such key (TRL's ``log`` would write None there, which it does only when reward functions return None)."""
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    for name in _reward_metric_names(trainer):
+        values = metrics.get(name)
+        if values:
+            values.pop()
+        if name in metrics and not metrics[name]:
+            del metrics[name]
+
+
+def trl_generate(trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """TRL's own ``_generate_single_turn`` (bypassing trl_fp8's override)."""
+    return TRLGRPOTrainer._generate_single_turn(trainer, prompt_ids, images, multimodal_fields, num_generations,
+                                                has_tool_images)
+
+
+def policy_logps(trainer, model, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+    """Per-token logprobs of the completion tokens under ``model``, computed as TRL computes the loss's."""
+    return TRLGRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, attention_mask,
+                                                            logits_to_keep)[0]
+
+
+def num_beams(trainer) -> int:
+    return int(getattr(trainer.generation_config, "num_beams", 1) or 1)
+
+
+@contextlib.contextmanager
+def generating_with(trainer, model=None, logits_processors=(), stopping_criteria=()):
+    """Within TRL's transformers generation path: generate with ``model`` instead of the learner (when given), and
+    pass extra logits processors / stopping criteria to its ``generate`` call (TRL offers no hook for either)."""
+    learner = trainer.model_wrapped
+    if model is not None:
+        trainer.model_wrapped = model
+    target = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    extra = {}
+    if logits_processors:
+        from transformers import LogitsProcessorList
+
+        extra["logits_processor"] = LogitsProcessorList(list(logits_processors))
+    if stopping_criteria:
+        from transformers import StoppingCriteriaList
+
+        extra["stopping_criteria"] = StoppingCriteriaList(list(stopping_criteria))
+    if extra:
+        target.generate = functools.partial(type(target).generate, target, **extra)
+    try:
+        yield target
+    finally:
+        trainer.model_wrapped = learner
+        if extra:
+            vars(target).pop("generate", None)
+
+
+def repatch_fused_head(trainer, twin: torch.nn.Module) -> None:
+    """Give a deep copy of the policy its own forward.
+
+    TRL 1.16 patches the policy's ``forward`` (``add_fused_lm_head``) with a closure over the *original* bound
+    forward. ``copy.deepcopy`` rebinds the method but not the closure, so the copy's forward would run the learner
+    (its fp32 weights and, under gradient checkpointing in train mode, no KV cache: garbage generations). Drop the
+    copied patch and apply TRL's patch to the copy itself.
+    """
+    from trl.trainer.utils import add_fused_lm_head
+
+    if "forward" in vars(twin):
+        del twin.forward
+        add_fused_lm_head(twin, temperature=trainer.temperature, cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32,
+                          outputs=("log_probs", "entropy"))
+
+
+def patch_fused_head(trainer, policy: torch.nn.Module, twin: torch.nn.Module) -> None:
+    """Give a freshly built copy of the policy (not a deep copy) TRL's fused-head forward, as the policy has it."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    if "forward" in vars(policy) and "forward" not in vars(twin):
+        add_fused_lm_head(twin, temperature=trainer.temperature, cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32,
+                          outputs=("log_probs", "entropy"))
