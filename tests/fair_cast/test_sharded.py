@@ -167,3 +167,31 @@ def test_reshard_refuses_incomplete_or_foreign_states(tmp_path):
         load_sharded_state(target, str(tmp_path), 0, 3)
     with pytest.raises(ValueError, match=f"has no {shard_state_file(2)}"):
         load_sharded_state(_shard_copy(_params(), "error_feedback", 3, 2), str(tmp_path / "empty"), 2, 3)
+
+
+def test_reshard_and_shard_units_name_what_is_wrong():
+    from trl_fp8.fair_cast.sharded import PartitionUnit
+
+    params = _params()
+    two = [_shard_copy(params, "error_feedback", 2, r) for r in range(2)]
+    target = _shard_copy(_params(), "error_feedback", 3, 0)
+    with pytest.raises(ValueError, match="nothing to re-shard from"):
+        reshard(target, [])
+    states = [sharded_state_dict(c, r, 2) for r, c in enumerate(two)]
+    name = next(iter(params))
+    for s in states:
+        del s["sharded"]["layout"][name]
+    with pytest.raises(ValueError, match=f"lacks the state of '{name}'"):
+        reshard(target, states)
+    states = [sharded_state_dict(c, r, 2) for r, c in enumerate(two)]
+    for s in states:
+        index, offset, numel, full = s["sharded"]["layout"][name]
+        s["sharded"]["layout"][name] = (index, offset, numel, full + 1)
+    with pytest.raises(ValueError, match=rf"'{name}' has {params[name].numel() + 1} elements there, "
+                                         rf"{params[name].numel()} here"):
+        reshard(target, states)
+    half = torch.zeros(8, dtype=torch.float16)
+    with pytest.raises(TypeError, match="needs fp32 master shards, but 'w' is sharded as torch.float16"):
+        ShardUnit("w", half, 0, 0, 8)
+    with pytest.raises(TypeError, match="needs DeepSpeed's fp32 master partitions, but 'w' has torch.float16"):
+        PartitionUnit("w", half, 0, 0, 8)

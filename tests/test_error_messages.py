@@ -1,0 +1,79 @@
+"""Raise sites of the pure cores that no other test named: each refuses bad input with a message that names the
+argument or file and what is allowed."""
+
+import random
+
+import pytest
+import torch
+
+
+def test_rounding_refuses_what_it_cannot_round():
+    from trl_fp8.fair_cast.rounding import error_feedback_round, stochastic_round
+
+    with pytest.raises(TypeError, match="stochastic_round expects an fp32 tensor, got torch.float16"):
+        stochastic_round(torch.zeros(4, dtype=torch.float16), seed=0, step=0, index=0)
+    with pytest.raises(ValueError, match=r"stochastic_round: out must be torch.bfloat16 of shape \(4,\), got "
+                                         r"torch.bfloat16 \(3,\)"):
+        stochastic_round(torch.zeros(4), seed=0, step=0, index=0, out=torch.empty(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"error_feedback_round: residual shape \(3,\) != \(4,\)"):
+        error_feedback_round(torch.zeros(4), torch.zeros(3))
+    with pytest.raises(TypeError, match="error_feedback_round expects fp32 src and residual"):
+        error_feedback_round(torch.zeros(4), torch.zeros(4, dtype=torch.float16))
+
+
+def test_a_served_copy_needs_fp32_masters_and_something_to_export():
+    from trl_fp8.fair_cast.served import ParamUnit, ServedCopy
+
+    with pytest.raises(TypeError, match="Fair Cast needs fp32 master weights, but parameter 'w' is torch.bfloat16"):
+        ParamUnit("w", torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="the model has no parameters to export"):
+        ServedCopy([], "stochastic", torch.bfloat16, seed=0)
+
+
+def test_the_budget_planner_and_duets_allocation_name_their_arguments():
+    from trl_fp8.budget.core import BudgetPlanner
+    from trl_fp8.duet.allocation import allocate_rollouts
+
+    with pytest.raises(ValueError, match="budget_s must be > 0, got 0"):
+        BudgetPlanner(0)
+    s, lengths = torch.ones(3), torch.ones(3)
+    with pytest.raises(ValueError, match=r"s and lengths must be 1-D of equal size, got \(3,\) and \(2,\)"):
+        allocate_rollouts(s, torch.ones(2), 10.0)
+    with pytest.raises(ValueError, match="lengths must be positive"):
+        allocate_rollouts(s, torch.zeros(3), 10.0)
+    with pytest.raises(ValueError, match="need 1 <= n_min <= n_max, got n_min=3, n_max=2"):
+        allocate_rollouts(s, lengths, 10.0, n_min=3, n_max=2)
+    with pytest.raises(ValueError, match="min_inclusion must be in \\(0, 1\\], got 0"):
+        allocate_rollouts(s, lengths, 10.0, rng=random.Random(0), min_inclusion=0)
+
+
+def test_the_logprob_tap_and_the_report_refuse_bad_arguments(tmp_path):
+    from trl_fp8.report import plot_budget, resolve_metrics_path
+    from trl_fp8.sync.logprobs import SampledLogprobTap
+
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+        SampledLogprobTap(temperature=0)
+    with pytest.raises(FileNotFoundError, match=f"metrics file not found: {tmp_path / 'metrics.jsonl'}"):
+        resolve_metrics_path(tmp_path)
+    with pytest.raises(ValueError, match="metrics_paths must name at least one metrics file"):
+        plot_budget([], tmp_path)
+    run = tmp_path / "m.jsonl"
+    run.write_text('{"step": 1, "reward": 0.5}\n')
+    with pytest.raises(ValueError, match=r"labels must have one entry per metrics file \(1\), got 2"):
+        plot_budget([run], tmp_path, labels=["a", "b"])
+    with pytest.raises(ValueError, match="window must be a positive integer, got 0"):
+        plot_budget([run], tmp_path, window=0)
+
+
+@pytest.mark.parametrize("make, kwargs, message", [
+    ("trl_fp8.tasks.arithmetic:make_arithmetic_dataset", dict(num_samples=0), "num_samples must be >= 1, got 0"),
+    ("trl_fp8.tasks.arithmetic:make_arithmetic_dataset", dict(num_samples=2, max_operand=0),
+     "max_operand must be >= 1, got 0"),
+    ("trl_fp8.tasks.chat_math:make_chat_math_dataset", dict(num_samples=0), "num_samples must be >= 1, got 0"),
+])
+def test_task_datasets_refuse_empty_or_impossible_requests(make, kwargs, message):
+    import importlib
+
+    module, name = make.split(":")
+    with pytest.raises(ValueError, match=message):
+        getattr(importlib.import_module(module), name)(**kwargs)
