@@ -490,7 +490,8 @@ def save_checkpoint(trainer, trial) -> str:
     name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
     final = os.path.join(run_dir, name)
     tmp = os.path.join(run_dir, TMP_PREFIX + name)
-    if args.should_save:
+    committer = args.should_save and not _storage_shared_with_main(trainer, run_dir)
+    if committer:
         os.makedirs(run_dir, exist_ok=True)
         if os.path.lexists(tmp):
             shutil.rmtree(tmp)
@@ -503,7 +504,7 @@ def save_checkpoint(trainer, trial) -> str:
         torch.save(buffer, os.path.join(tmp, _generation_state_file(args)))
     for capability in trainer.capabilities.values():  # per-process files (e.g. a rank's shard state), staged too
         capability.save_process_files(trainer, tmp)
-    if args.should_save:
+    if committer:
         for capability in trainer.capabilities.values():
             state = capability.state_dict()
             if state is not None and capability.state_file is not None:
@@ -514,14 +515,46 @@ def save_checkpoint(trainer, trial) -> str:
                                                   "capabilities": sorted(trainer.capabilities),
                                                   "world_size": args.world_size, "fields": settings_of(args)})
     trainer.accelerator.wait_for_everyone()  # every process has written its files
-    if args.should_save:
+    if committer:
         commit(tmp, final)
     trainer.accelerator.wait_for_everyone()
     if args.push_to_hub:
         _trl.push_checkpoint(trainer, final)
-    if args.should_save:
+    if committer:
         rotate(run_dir, args.save_total_limit, trainer.state.best_model_checkpoint, final)
     return final
+
+
+def _storage_shared_with_main(trainer, run_dir: str) -> bool:
+    """With ``save_on_each_node=True`` each node's first process saves — right for node-local disks, but on storage
+    every node shares it would stage, commit and rotate the same checkpoint once per node (the second commit finds
+    its staging folder renamed away). The main process leaves a token file in ``run_dir``; a node's saver that sees
+    it shares the main process's storage and leaves the commit to it. False without ``save_on_each_node``, on the
+    main process, and with one process."""
+    args = trainer.args
+    if not getattr(args, "save_on_each_node", False) or args.world_size <= 1:
+        return False
+    import uuid
+
+    from accelerate.utils import broadcast_object_list
+
+    main = args.process_index == 0
+    token = [uuid.uuid4().hex if main else None]
+    broadcast_object_list(token, from_process=0)
+    probe = os.path.join(run_dir, f"{TMP_PREFIX}storage-{token[0]}")
+    if main:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write("written by the main process to tell which savers share its storage\n")
+    trainer.accelerator.wait_for_everyone()
+    shared = not main and args.should_save and os.path.isfile(probe)
+    trainer.accelerator.wait_for_everyone()
+    if main:
+        os.remove(probe)
+    if shared:
+        logger.info("save_on_each_node=True, but %s is the main process's storage too: its checkpoints are committed "
+                    "once, by the main process.", run_dir)
+    return shared
 
 
 def save_final_model(trainer, output_dir: str) -> None:

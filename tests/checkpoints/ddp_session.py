@@ -1,7 +1,8 @@
 """One data-parallel training session (launched by ``torchrun --nproc_per_node 2``) that resumes with
 ``resume_from_checkpoint="auto"``; the main process writes the final weights to OUT_DIR/final.pt.
 
-usage: torchrun --standalone --nproc_per_node 2 ddp_session.py OUT_DIR MODEL_DIR MAX_STEPS"""
+usage: torchrun --standalone --nproc_per_node 2 ddp_session.py OUT_DIR MODEL_DIR MAX_STEPS [each_node]
+(``each_node``: ``save_on_each_node=True``, for two single-process "nodes" on one machine: shared storage)"""
 
 import os
 import sys
@@ -15,9 +16,9 @@ import trl_fp8  # noqa: E402
 from trl_fp8.tasks.arithmetic import make_arithmetic_dataset  # noqa: E402
 
 
-def main(out: str, model_dir: str, max_steps: int) -> None:
+def main(out: str, model_dir: str, max_steps: int, each_node: bool = False) -> None:
     torch.set_num_threads(1)
-    args = trl_fp8.GRPOConfig(
+    args = trl_fp8.GRPOConfig(save_on_each_node=each_node,
         output_dir=out, metrics_jsonl=os.path.join(out, "metrics.jsonl"), max_steps=max_steps, save_steps=1,
         save_total_limit=2, per_device_train_batch_size=4, steps_per_generation=2,
         **{k: v for k, v in kill_runner.COMMON.items() if k not in ("max_steps", "save_steps",
@@ -30,4 +31,4 @@ def main(out: str, model_dir: str, max_steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), len(sys.argv) > 4 and sys.argv[4] == "each_node")

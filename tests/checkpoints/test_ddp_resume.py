@@ -41,3 +41,35 @@ def test_two_process_checkpoints_resume_exactly(tmp_path):
     _torchrun(resumed, model, 4, cwd=tmp_path)
     a, b = torch.load(straight / "final.pt"), torch.load(resumed / "final.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_save_on_each_node_on_shared_storage_commits_each_checkpoint_once(tmp_path):
+    """Two single-process "nodes" on one machine (torchrun --nnodes 2): with save_on_each_node=True both are savers
+    and share the run folder, as nodes on a network filesystem do. Only the main process commits and rotates; before,
+    both did (the second commit found its staging folder renamed away)."""
+    import socket
+
+    from tests.checkpoints.kill_runner import build_model
+
+    model, out = tmp_path / "model", tmp_path / "run"
+    build_model(str(model))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+           "KMP_BLOCKTIME": "0",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                               str(rank), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
+                               str(port), os.path.join(HERE, "ddp_session.py"), str(out), str(model), "3",
+                               "each_node"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    logs = [node.communicate(timeout=900)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    from trl_fp8.checkpoints import check_complete
+
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
+    assert all(check_complete(str(out / n)).complete for n in ("checkpoint-2", "checkpoint-3"))
+    assert not [n for n in os.listdir(out) if n.startswith("_tmp-")]  # no staging or probe left behind
+    assert (out / "final.pt").is_file()
