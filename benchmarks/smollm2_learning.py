@@ -10,7 +10,8 @@ a stopped session loses at most the steps since the last checkpoint. Run it alon
     python benchmarks/smollm2_learning.py --adapters full --seed 0 --steps 60 \\
         --jsonl benchmarks/results/smollm2_learning.jsonl --output-dir runs/smollm2_learning
 
-Last line: ``smollm2_heldout_sampled_gain: <last − first>`` for the run.
+Last line: ``smollm2_heldout_sampled_gain: <last − first>`` for the run. ``--report --jsonl FILE`` prints the table
+over every seed in FILE (mean ± std [min, max] per step) instead of training.
 """
 
 from __future__ import annotations
@@ -35,6 +36,31 @@ def load_done(path: str | None, key: dict) -> dict[int, dict]:
     return done
 
 
+def report(path: str) -> None:
+    """Held-out accuracy per step across seeds (mean ± sample std [min, max]) for each setting in ``path``."""
+    import statistics
+
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    settings = sorted({(r["adapters"], r["lr"], r["prompts"]) for r in rows})
+    for adapters, lr, prompts in settings:
+        mine = [r for r in rows if (r["adapters"], r["lr"], r["prompts"]) == (adapters, lr, prompts)]
+        seeds = sorted({r["seed"] for r in mine})
+        print(f"\n{adapters}, lr {lr:g}, {prompts} prompts x 8 generations per step; seeds {seeds}")
+        print("| step | held-out sampled (t = 1) | held-out greedy | train minutes per seed |")
+        print("|---|---|---|---|")
+        for step in sorted({r["step"] for r in mine}):
+            at = [r for r in mine if r["step"] == step]
+
+            def cell(key):
+                xs = [r[key] for r in at]
+                sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+                return f"{statistics.mean(xs):.2f} ± {sd:.2f} [{min(xs):.2f}, {max(xs):.2f}] (n={len(xs)})"
+
+            minutes = ", ".join(f"s{r['seed']}: {r['train_seconds_so_far'] / 60:.0f}"
+                                for r in sorted(at, key=lambda r: r["seed"]))
+            print(f"| {step} | {cell('heldout_sampled')} | {cell('heldout_greedy')} | {minutes} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", default="full", choices=["full", "lora"])
@@ -46,7 +72,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per step (x 8 generations)")
     parser.add_argument("--output-dir", default="runs/smollm2_learning")
     parser.add_argument("--jsonl", default=None)
+    parser.add_argument("--report", action="store_true",
+                        help="print the learning-curve table from --jsonl (every seed of each setting) and exit")
     args = parser.parse_args()
+    if args.report:
+        if not args.jsonl:
+            parser.error("--report reads --jsonl")
+        report(args.jsonl)
+        return
 
     import torch
     from transformers import AutoTokenizer, TrainerCallback
