@@ -143,15 +143,19 @@ def _run_text(cmd: list[str]) -> str:
     return f"{proc.stdout}\n{proc.stderr}\nrc={proc.returncode}"
 
 
-def _compiler_identity(cc: str) -> str:
-    """The compiler as a string: resolved path, size and mtime of the driver, ``--version``, ``-dumpmachine``."""
+def _compiler_file(cc: str) -> list[str]:
+    """The compiler driver's resolved path and its ``size:mtime`` ("?" when it cannot be read)."""
     real = os.path.realpath(cc)
     try:
         st = os.stat(real)
-        file_id = f"{st.st_size}:{st.st_mtime_ns}"
+        return [real, f"{st.st_size}:{st.st_mtime_ns}"]
     except OSError:
-        file_id = "?"
-    return "\n".join([real, file_id, _run_text([cc, "--version"]), _run_text([cc, "-dumpmachine"])])
+        return [real, "?"]
+
+
+def _compiler_identity(cc: str) -> str:
+    """The compiler as a string: resolved path, size and mtime of the driver, ``--version``, ``-dumpmachine``."""
+    return "\n".join([*_compiler_file(cc), _run_text([cc, "--version"]), _run_text([cc, "-dumpmachine"])])
 
 
 def _cpuinfo_identity() -> list[str]:
@@ -190,13 +194,7 @@ def _cache_key(cc: str) -> dict[str, str]:
 def _toolchain_stamp(cc: str) -> str:
     """What identifies the compiler and CPU without running anything: the compiler's resolved path, size and mtime,
     the machine and the CPU lines of ``/proc/cpuinfo``. The probe (:func:`_cache_key`) is cached under it."""
-    real = os.path.realpath(cc)
-    try:
-        st = os.stat(real)
-        file_id = f"{st.st_size}:{st.st_mtime_ns}"
-    except OSError:
-        file_id = "?"
-    return "\n".join([real, file_id, platform.machine(), sys.platform, *_cpuinfo_identity()])
+    return "\n".join([*_compiler_file(cc), platform.machine(), sys.platform, *_cpuinfo_identity()])
 
 
 def _probed_key(cc: str, folder: Path) -> dict[str, str]:
