@@ -22,6 +22,21 @@ figures, over all seeds otherwise. A PNG shows accuracy against rollout tokens.
 Last line: `duet05_tokens_to_target_over_grpo: <number>` -- per seed, DUET β=0.5's rollout tokens to target over
 GRPO's (same seed), the mean over the seeds where both reached it (goal <= 0.5); its spread and the number of
 seeds excluded are on the line before, with the same figure for β=1.0 and β=0.3 and for wall-clock.
+
+**On the real model** (``--model smollm2``: SmolLM2-135M-Instruct on ``chat_math``, full fine-tuning, fp32 like
+``benchmarks/smollm2_learning.py``, lr 5e-6 constant, 2 prompts x 8 slots from a pool of ``--pool`` problems so
+prompts recur and DUET's per-prompt statistics warm up, completions <= 96 tokens, checks and Fair Cast off so only
+the token budget differs) the runs are long (~25 s a GRPO step on 2 cores), so they are resumable: each (seed, arm)
+run checkpoints every ``--eval-every`` steps under ``--output-dir`` and resumes with
+``resume_from_checkpoint="auto"``; every step's logged metrics (rollout tokens among them) and every held-out
+evaluation (48 problems, sampled t = 1, at step 0 and every ``--eval-every`` steps) are appended to ``--jsonl``
+(``benchmarks/_runlog.py``); finished runs are skipped, so rerun the same command after a stop. ``--report`` reads
+the JSONL only: tokens and seconds to ``--target`` per seed and arm, final accuracy at equal steps, total tokens,
+``reward_vs_tokens.png`` (held-out accuracy and training reward against rollout tokens, one line per arm: the mean
+over seeds at each evaluation) and the same last line as above.
+
+    python benchmarks/duet_budget.py --model smollm2 --seeds 0 1 2
+    python benchmarks/duet_budget.py --model smollm2 --report [--target 0.6]
 """
 
 from __future__ import annotations
@@ -29,10 +44,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = {"grpo": {}, "duet_1.0": {"duet": True, "duet_budget": 1.0}, "duet_0.5": {"duet": True, "duet_budget": 0.5},
            "duet_0.3": {"duet": True, "duet_budget": 0.3}}
@@ -121,6 +138,177 @@ def first_reaching(evals, target):
     return None
 
 
+REAL = dict(prompts=2, slots=8, lr=5e-6, steps=20, pool=16, eval_every=4, eval_problems=48, target=0.6)
+REAL_KEYS = ("bench", "model", "arm", "seed", "steps", "pool")
+REAL_JSONL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "duet_smollm2.jsonl")
+
+
+def run_real(arm: str, seed: int, settings: dict, jsonl: str, output_dir: str) -> None:
+    """One resumable SmolLM2 run (see the module docstring); returns at once if ``jsonl`` says it is done."""
+    import _runlog
+    import torch
+    from transformers.trainer_callback import PrinterCallback
+
+    import trl_fp8
+    from trl_fp8.demo.tasks import demo_task
+    from trl_fp8.tasks.chat_math import chat_math_accuracy
+
+    s = settings
+    key = {"bench": "duet", "model": "trl-fp8:smollm2", "arm": arm, "seed": seed, "steps": s["steps"],
+           "pool": s["pool"]}
+    if _runlog.is_done(jsonl, key):
+        return
+    task = demo_task("chat_math")
+    out = os.path.join(output_dir, _runlog.run_name(key))
+    args = trl_fp8.GRPOConfig(
+        output_dir=out, use_cpu=True, bf16=False, max_steps=s["steps"], learning_rate=s["lr"],
+        lr_scheduler_type="constant", per_device_train_batch_size=s["prompts"] * s["slots"],
+        num_generations=s["slots"], max_completion_length=task.max_completion_length, logging_steps=1,
+        save_strategy="steps", save_steps=s["eval_every"], save_total_limit=1, resume_from_checkpoint="auto",
+        report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=seed, data_seed=seed,
+        reward_weights=list(task.reward_weights), duet_markers=list(task.duet_markers), fair_cast="off",
+        sync_checks="off", **METHODS[arm],
+    )
+    trainer = trl_fp8.GRPOTrainer(model=task.model_path(), reward_funcs=list(task.reward_funcs), args=args,
+                                  train_dataset=task.make_dataset(s["pool"], seed=100 + seed))
+    trainer.remove_callback(PrinterCallback)
+    tokenizer = trainer.processing_class
+
+    def evaluate(model, step):
+        torch.manual_seed(10_000 + step)
+        return {"heldout_sampled": chat_math_accuracy(model, tokenizer, s["eval_problems"], seed=987)}
+
+    trainer.add_callback(_runlog.recorder(jsonl, key, s["eval_every"], evaluate, _runlog.numeric))
+    trainer.train()
+    if trainer.state.global_step >= s["steps"]:
+        _runlog.finish(jsonl, key, out)
+
+
+def step_tokens(rec: dict, rows: int) -> float:
+    """Rollout tokens one step generated: DUET's own count, else TRL's mean completion length x rows."""
+    return rec["duet/tokens"] if "duet/tokens" in rec else rec["completions/mean_length"] * rows
+
+
+def report_real(jsonl: str, target: float, plot: str) -> None:
+    import _runlog
+
+    runs = [r for r in _runlog.load_runs(jsonl, REAL_KEYS).values() if r["done"]]
+    if not runs:
+        raise SystemExit(f"{jsonl}: no finished run yet (run the benchmark first)")
+    rows = REAL["prompts"] * REAL["slots"]
+    curves = {}  # (arm, seed) -> [(step, tokens so far, seconds so far, held-out acc)]
+    for r in runs:
+        tokens = seconds = 0.0
+        points = [(0, 0.0, 0.0, r["evals"][0]["heldout_sampled"])] if 0 in r["evals"] else []
+        for step in sorted(r["steps"]):
+            tokens += step_tokens(r["steps"][step], rows)
+            seconds += r["steps"][step]["seconds"]
+            if step in r["evals"]:
+                points.append((step, tokens, seconds, r["evals"][step]["heldout_sampled"]))
+        curves[r["key"]["arm"], r["key"]["seed"]] = dict(points=points, tokens=tokens, seconds=seconds, run=r)
+    arms = [m for m in METHODS if any(a == m for a, _ in curves)]
+    seeds = sorted({sd for _, sd in curves})
+    steps = max(r["key"]["steps"] for r in runs)
+    print(f"\nSmolLM2-135M-Instruct, chat_math, full fine-tuning, fp32, lr {REAL['lr']:g} constant, {steps} steps of "
+          f"{REAL['prompts']} prompts x {REAL['slots']} slots, pool {runs[0]['key']['pool']}; held-out sampled accuracy"
+          f" on {REAL['eval_problems']} problems every {REAL['eval_every']} steps; target {target}; seeds {seeds}; "
+          "seconds = training wall-clock (generation + update), evaluations and checkpoints excluded")
+    print("| arm | seed | tokens to target | seconds to target | step | final acc | total tokens | train s |")
+    print("|---|---|---|---|---|---|---|---|")
+    hits = {}
+    for arm in arms:
+        for seed in seeds:
+            c = curves.get((arm, seed))
+            if c is None:
+                continue
+            h = first_reaching(c["points"], target)
+            hits[arm, seed] = h
+            reach = f"{h[1]:,.0f} | {h[2]:.0f} | {h[0]}" if h else "not reached | not reached | -"
+            print(f"| {arm} | {seed} | {reach} | {c['points'][-1][3]:.3f} | {c['tokens']:,.0f} | {c['seconds']:.0f} |")
+    print("\nacross seeds (mean ± std [min, max] (n)); to-target figures over the seeds that reached it")
+    print("| arm | reached | tokens to target | seconds to target | final acc | total tokens | train s |")
+    print("|---|---|---|---|---|---|---|")
+    for arm in arms:
+        cs = [curves[arm, sd] for sd in seeds if (arm, sd) in curves]
+        hs = [hits[arm, sd] for sd in seeds if hits.get((arm, sd))]
+        print(f"| {arm} | {len(hs)}/{len(cs)} | {spread([h[1] for h in hs], ',.0f')} | "
+              f"{spread([h[2] for h in hs], '.0f')} | {spread([c['points'][-1][3] for c in cs], '.3f')} | "
+              f"{spread([c['tokens'] for c in cs], ',.0f')} | {spread([c['seconds'] for c in cs], '.0f')} |")
+    headline = None
+    for arm in [a for a in arms if a != "grpo"]:
+        paired = [sd for sd in seeds if (arm, sd) in curves and ("grpo", sd) in curves]
+        tok = [curves[arm, sd]["tokens"] / curves["grpo", sd]["tokens"] for sd in paired]
+        dacc = [curves[arm, sd]["points"][-1][3] - curves["grpo", sd]["points"][-1][3] for sd in paired]
+        print(f"{arm} / grpo at equal steps, per seed: total tokens {spread(tok, '.3f')}; final accuracy difference "
+              f"({arm} − grpo) {spread(dacc, '+.3f')}")
+        for what, index in (("tokens", 1), ("seconds", 2)):
+            ratios, excluded = [], []
+            for sd in paired:
+                h, g = hits.get((arm, sd)), hits.get(("grpo", sd))
+                if h and g and g[index] > 0:
+                    ratios.append(h[index] / g[index])
+                else:
+                    excluded.append(str(sd))
+            print(f"{arm} / grpo {what} to target {target}, per seed: {', '.join(f'{x:.2f}' for x in ratios) or 'none'};"
+                  f" {spread(ratios, '.2f')}" + (f"; excluded seeds {', '.join(excluded)} (a run that did not reach "
+                                                  "the target, or GRPO there at step 0)" if excluded else ""))
+            if arm == "duet_0.5" and what == "tokens" and ratios:
+                headline = statistics.mean(ratios)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4))
+    for arm, color in zip(METHODS, ("C0", "C1", "C2", "C3")):
+        cs = [curves[arm, sd] for sd in seeds if (arm, sd) in curves]
+        if not cs:
+            continue
+        n = min(len(c["points"]) for c in cs)  # the evaluations every run of the arm has
+        ax1.plot([statistics.mean(c["points"][i][1] for c in cs) for i in range(n)],
+                 [statistics.mean(c["points"][i][3] for c in cs) for i in range(n)], color=color, lw=2, marker="o",
+                 label=f"{arm} (mean of {len(cs)} seeds)")
+        for c in cs:
+            ax1.plot([p[1] for p in c["points"]], [p[3] for p in c["points"]], color=color, alpha=0.3, lw=1)
+            steps_ = sorted(c["run"]["steps"])
+            cum, xs = 0.0, []
+            for st in steps_:
+                cum += step_tokens(c["run"]["steps"][st], rows)
+                xs.append(cum)
+            ax2.plot(xs, [c["run"]["steps"][st]["rewards/correctness_reward/mean"] for st in steps_], color=color,
+                     alpha=0.5, lw=1, label=arm if c is cs[0] else None)
+    ax1.axhline(target, color="grey", ls="--", lw=1)
+    ax1.set(xlabel="rollout tokens generated", ylabel="held-out sampled accuracy",
+            title=f"SmolLM2 chat_math: DUET vs GRPO ({len(seeds)} seeds)")
+    ax2.set(xlabel="rollout tokens generated", ylabel="training reward (correctness)", title="per seed, per step")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(plot, dpi=100)
+    print(f"plot: {plot}")
+    print(f"duet05_tokens_to_target_over_grpo: {headline:.2f}" if headline is not None
+          else "duet05_tokens_to_target_over_grpo: n/a")
+
+
+def main_real(args) -> None:
+    settings = dict(REAL)
+    for key in ("steps", "pool", "eval_every", "target"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    plot = args.output if args.output != "duet_budget.png" else "reward_vs_tokens.png"
+    if args.report:
+        report_real(args.jsonl, settings["target"], plot)
+        return
+    if len(args.seeds) < 3:
+        raise SystemExit("give at least 3 seeds (--seeds)")
+    for seed in args.seeds:
+        for arm in [m for m in METHODS if m in args.arms]:  # interleaved per seed
+            run_real(arm, seed, settings, args.jsonl, args.output_dir)
+    report_real(args.jsonl, settings["target"], plot)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=sorted(TASKS), default="arithmetic")
@@ -132,7 +320,15 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--output", default="duet_budget.png")
     parser.add_argument("--quick", action="store_true", help="smoke run: seeds 0 1, 4 steps (not meaningful)")
+    parser.add_argument("--model", choices=["embedded", "smollm2"], default="embedded",
+                        help="smollm2: the real model on chat_math, resumable (see above)")
+    parser.add_argument("--jsonl", default=REAL_JSONL, help="--model smollm2: the raw records")
+    parser.add_argument("--output-dir", default="runs/duet_smollm2", help="--model smollm2: checkpoints")
+    parser.add_argument("--report", action="store_true", help="--model smollm2: tables and plot from --jsonl")
     args = parser.parse_args()
+    if args.model == "smollm2":
+        main_real(args)
+        return
     settings = dict(TASKS[args.task])
     for key in ("steps", "pool", "eval_every", "target"):
         if getattr(args, key) is not None:

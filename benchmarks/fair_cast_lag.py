@@ -23,6 +23,20 @@ Prints the per-seed figures, the across-seed table and saves a PNG of the lag cu
 `rtn_lag_over_sr_lag: <number>` -- per seed, |lag| of rtn over the last 20 steps divided by that of stochastic
 (same seed); the mean over seeds (spread on the line before). A seed whose stochastic |lag| is exactly 0 gives no
 ratio and is reported as excluded.
+
+**On the real model** (``--model smollm2``: SmolLM2-135M-Instruct on ``chat_math``, full fine-tuning, TRL's default
+``bf16=True`` -- bf16 autocast over fp32 masters, the bf16 served copy generating every rollout -- 2 prompts x 8
+generations, completions <= 96 tokens, AdamW constant, checks off so only the export rule differs) the runs are long
+(~30 s a step on 2 cores), so they are resumable: each (lr, seed, rule) run checkpoints every ``--eval-every`` steps
+under ``--output-dir`` and resumes with ``resume_from_checkpoint="auto"``; every step's logged metrics and every
+held-out evaluation (the master, 48 problems, sampled t = 1 and greedy, at step 0 and every ``--eval-every`` steps)
+are appended to ``--jsonl`` as they happen (``benchmarks/_runlog.py``); finished runs are skipped. Rerun the same
+command after a stop. ``--report`` reads the JSONL only: the tables, ``fair_cast_reward_vs_step.png`` (training
+reward of the served policy per step, one panel per learning rate, one colour per rule) and the last line
+``sr_minus_rtn_heldout_at_<lr>: <mean over seeds>`` (held-out sampled accuracy at the last evaluated step, paired).
+
+    python benchmarks/fair_cast_lag.py --model smollm2 --lrs 5e-6 1e-6 --seeds 0 1 2 --steps 20
+    python benchmarks/fair_cast_lag.py --model smollm2 --report
 """
 
 from __future__ import annotations
@@ -30,9 +44,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MODES = ("rtn", "stochastic", "error_feedback")
 LAST = 20
@@ -104,6 +120,140 @@ COLUMNS = (("lag_all", "signed lag, all", ".2f"), ("abs_lag_all", "|lag|, all", 
            ("heldout_acc", "held-out acc", ".3f"))
 
 
+REAL = dict(prompts=2, slots=8, steps=20, eval_every=5, eval_problems=48)
+REAL_KEYS = ("bench", "model", "lr", "seed", "mode", "steps")
+REAL_JSONL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fair_cast_smollm2.jsonl")
+
+
+def run_real(mode: str, seed: int, lr: float, steps: int, jsonl: str, output_dir: str, eval_every: int) -> None:
+    """One resumable SmolLM2 run (see the module docstring); returns at once if ``jsonl`` says it is done."""
+    import _runlog
+    from transformers.trainer_callback import PrinterCallback
+
+    import trl_fp8
+    from trl_fp8.demo.tasks import demo_task
+
+    key = {"bench": "fair_cast", "model": "trl-fp8:smollm2", "lr": lr, "seed": seed, "mode": mode, "steps": steps}
+    if _runlog.is_done(jsonl, key):
+        return
+    task = demo_task("chat_math")
+    out = os.path.join(output_dir, _runlog.run_name(key))
+    args = trl_fp8.GRPOConfig(
+        output_dir=out, use_cpu=True, bf16=True, max_steps=steps, learning_rate=lr, lr_scheduler_type="constant",
+        optim="adamw_torch", per_device_train_batch_size=REAL["prompts"] * REAL["slots"],
+        num_generations=REAL["slots"], max_completion_length=task.max_completion_length, logging_steps=1,
+        save_strategy="steps", save_steps=eval_every, save_total_limit=1, resume_from_checkpoint="auto",
+        report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=seed, data_seed=seed,
+        fair_cast=mode, sync_checks="off", reward_weights=list(task.reward_weights),
+    )
+    trainer = trl_fp8.GRPOTrainer(model=task.model_path(), reward_funcs=list(task.reward_funcs), args=args,
+                                  train_dataset=task.make_dataset(4000, seed=seed))
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(_runlog.recorder(jsonl, key, eval_every,
+                                          _runlog.chat_math_heldout(trainer.processing_class, REAL["eval_problems"]),
+                                          _runlog.numeric))
+    trainer.train()
+    if trainer.state.global_step >= steps:
+        _runlog.finish(jsonl, key, out)
+
+
+def report_real(jsonl: str, plot: str) -> None:
+    """Tables and the reward-vs-step plot from the raw records in ``jsonl`` (finished runs only)."""
+    import _runlog
+
+    runs = [r for r in _runlog.load_runs(jsonl, REAL_KEYS).values() if r["done"]]
+    if not runs:
+        raise SystemExit(f"{jsonl}: no finished run yet (run the benchmark first)")
+    lrs = sorted({r["key"]["lr"] for r in runs}, reverse=True)
+    headline = None
+    for lr in lrs:
+        at = {m: sorted((r for r in runs if r["key"]["lr"] == lr and r["key"]["mode"] == m),
+                        key=lambda r: r["key"]["seed"]) for m in MODES}
+        seeds = sorted({r["key"]["seed"] for rs in at.values() for r in rs})
+        steps = max(r["key"]["steps"] for rs in at.values() for r in rs)
+        minutes = [sum(x["seconds"] for x in r["steps"].values()) / 60 for rs in at.values() for r in rs]
+        print(f"\nSmolLM2-135M-Instruct, chat_math, full fine-tuning, bf16=True (bf16 served copy samples), AdamW lr "
+              f"{lr:g} constant, {steps} steps of {REAL['prompts']} prompts x {REAL['slots']} generations; seeds "
+              f"{seeds}; train minutes per run {_runlog.spread(minutes, '.1f')}; mean ± std [min, max] over seeds")
+        print("| rule | visible update frac | |lag| (steps) | training reward (correctness, served policy), "
+              "first 5 steps -> last 5 | held-out sampled by step | held-out greedy by step |")
+        print("|---|---|---|---|---|---|")
+        for mode in MODES:
+            rs = at[mode]
+            if not rs:
+                continue
+            vis = [statistics.mean(x["fair_cast/visible_update_frac"] for x in r["steps"].values()) for r in rs]
+            lag = [statistics.mean(abs(x["fair_cast/lag_steps"]) for x in r["steps"].values()
+                                   if x.get("fair_cast/lag_steps") is not None) for r in rs
+                   if any(x.get("fair_cast/lag_steps") is not None for x in r["steps"].values())]
+
+            def reward(r, which):
+                xs = [r["steps"][s][REWARD] for s in sorted(r["steps"])]
+                return statistics.mean(xs[:5] if which == "first" else xs[-5:])
+
+            evals = sorted({s for r in rs for s in r["evals"]})
+
+            def by_step(field):
+                return "; ".join(f"{s}: {_runlog.spread([r['evals'][s][field] for r in rs if s in r['evals']], '.2f')}"
+                                 for s in evals)
+
+            print(f"| {mode} | {_runlog.spread(vis, '.4f')} | {_runlog.spread(lag, '.1f')} | "
+                  f"{_runlog.spread([reward(r, 'first') for r in rs], '.2f')} -> "
+                  f"{_runlog.spread([reward(r, 'last') for r in rs], '.2f')} | {by_step('heldout_sampled')} | "
+                  f"{by_step('heldout_greedy')} |")
+        for other in ("stochastic", "error_feedback"):
+            pairs = [(a, b) for a in at["rtn"] for b in at[other] if a["key"]["seed"] == b["key"]["seed"]]
+            if not pairs:
+                continue
+            last = max(pairs[0][0]["evals"])
+            for field in ("heldout_sampled", "heldout_greedy"):
+                d = [b["evals"][last][field] - a["evals"][last][field] for a, b in pairs]
+                print(f"{other} − rtn, {field} at step {last}, paired per seed: "
+                      f"{', '.join(f'{x:+.3f}' for x in d)}; {_runlog.spread(d, '+.3f')}")
+                if other == "stochastic" and field == "heldout_sampled" and lr == lrs[-1]:
+                    headline = (lr, statistics.mean(d))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(lrs), figsize=(6 * len(lrs), 4), squeeze=False)
+    for ax, lr in zip(axes[0], lrs):
+        for mode, color in zip(MODES, ("C0", "C1", "C2")):
+            rs = [r for r in runs if r["key"]["lr"] == lr and r["key"]["mode"] == mode]
+            for i, r in enumerate(rs):
+                steps = sorted(r["steps"])
+                ax.plot(steps, [r["steps"][s][REWARD] for s in steps], color=color, alpha=0.35, lw=1)
+            if rs:
+                common = sorted(set.intersection(*(set(r["steps"]) for r in rs)))
+                ax.plot(common, [statistics.mean(r["steps"][s][REWARD] for r in rs) for s in common], color=color,
+                        lw=2.5, label=f"{mode} (mean of {len(rs)} seeds)")
+        ax.set(title=f"SmolLM2 chat_math, served-policy reward, lr {lr:g}", xlabel="optimizer step",
+               ylabel="training reward (correctness, sampled)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(plot, dpi=100)
+    print(f"plot: {plot}")
+    if headline is not None:
+        print(f"sr_minus_rtn_heldout_at_{headline[0]:g}: {headline[1]:+.3f}")
+
+
+def main_real(args) -> None:
+    if args.report:
+        report_real(args.jsonl, args.output if args.output != "fair_cast_lag.png" else "fair_cast_reward_vs_step.png")
+        return
+    if len(args.seeds) < 3:
+        raise SystemExit("give at least 3 seeds (--seeds)")
+    steps = args.steps if args.steps is not None else REAL["steps"]
+    for lr in args.lrs or [args.lr]:
+        for seed in args.seeds:
+            for mode in MODES:  # interleaved per seed: paired runs finish together
+                run_real(mode, seed, lr, steps, args.jsonl, args.output_dir, args.eval_every)
+    report_real(args.jsonl, "fair_cast_reward_vs_step.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=sorted(TASKS), default="arithmetic")
@@ -112,7 +262,17 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--output", default="fair_cast_lag.png")
     parser.add_argument("--quick", action="store_true", help="smoke run: seeds 0 1, 6 steps (not meaningful)")
+    parser.add_argument("--model", choices=["embedded", "smollm2"], default="embedded",
+                        help="smollm2: the real model on chat_math, resumable (see above)")
+    parser.add_argument("--lrs", type=float, nargs="+", help="--model smollm2: learning rates, one after another")
+    parser.add_argument("--eval-every", type=int, default=REAL["eval_every"], help="--model smollm2")
+    parser.add_argument("--jsonl", default=REAL_JSONL, help="--model smollm2: the raw records")
+    parser.add_argument("--output-dir", default="runs/fair_cast_smollm2", help="--model smollm2: checkpoints")
+    parser.add_argument("--report", action="store_true", help="--model smollm2: tables and plot from --jsonl")
     args = parser.parse_args()
+    if args.model == "smollm2":
+        main_real(args)
+        return
     settings = dict(TASKS[args.task])
     steps = args.steps if args.steps is not None else settings["steps"]
     last = LAST
