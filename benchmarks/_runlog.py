@@ -152,7 +152,7 @@ def chat_math_heldout(tokenizer, problems: int = 48):
     held-out problem (the same problems and sampling seeds as ``benchmarks/smollm2_learning.py``)."""
     import torch
 
-    from trl_fp8.tasks.chat_math import chat_math_accuracy
+    from trl_fp8.app.tasks.chat_math import chat_math_accuracy
 
     def evaluate(model, step: int) -> dict:
         torch.manual_seed(10_000 + step)

@@ -29,7 +29,7 @@ def build(workdir: str, hidden: int, layers: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import trl_fp8
-    from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+    from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
     from trl_fp8.tokenization import build_char_tokenizer
 
     torch.manual_seed(0)

@@ -98,7 +98,7 @@ def run(method: str, seed: int, task_name: str, settings: dict, workdir: str) ->
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.demo.tasks import demo_task
+    from trl_fp8.app.demo.tasks import demo_task
 
     task = demo_task(task_name)
     s = settings
@@ -150,8 +150,8 @@ def run_real(arm: str, seed: int, settings: dict, jsonl: str, output_dir: str) -
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.demo.tasks import demo_task
-    from trl_fp8.tasks.chat_math import chat_math_accuracy
+    from trl_fp8.app.demo.tasks import demo_task
+    from trl_fp8.app.tasks.chat_math import chat_math_accuracy
 
     s = settings
     key = {"bench": "duet", "model": "trl-fp8:smollm2", "arm": arm, "seed": seed, "steps": s["steps"],

@@ -68,7 +68,7 @@ def run_mode(mode: str, steps: int, lr: float, workdir: str, seed: int = 0, task
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.demo.tasks import demo_task
+    from trl_fp8.app.demo.tasks import demo_task
 
     task = demo_task(task_name)
     s = settings or TASKS[task_name]
@@ -131,7 +131,7 @@ def run_real(mode: str, seed: int, lr: float, steps: int, jsonl: str, output_dir
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.demo.tasks import demo_task
+    from trl_fp8.app.demo.tasks import demo_task
 
     key = {"bench": "fair_cast", "model": "trl-fp8:smollm2", "lr": lr, "seed": seed, "mode": mode, "steps": steps}
     if _runlog.is_done(jsonl, key):

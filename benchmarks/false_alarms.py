@@ -133,10 +133,10 @@ def run_one(spec: dict, root: str, vllm: bool = False) -> dict:
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+    from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
     if spec["kind"] == "demo":
-        from trl_fp8.demo.model import demo_model_path
+        from trl_fp8.app.demo.model import demo_model_path
 
         model = demo_model_path()
         rewards = [correctness_reward, format_reward]

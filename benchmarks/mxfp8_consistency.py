@@ -69,10 +69,10 @@ DEMO = "trl-fp8:demo-model"
 def _prompts(model_id: str, tok, prompts: int, seed: int) -> list[str]:
     """Prompt texts: the arithmetic task on the demo model; chat_math through the chat template on a chat model."""
     if model_id == DEMO:
-        from trl_fp8.tasks.arithmetic import make_arithmetic_dataset
+        from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset
 
         return [r["prompt"] for r in make_arithmetic_dataset(prompts, seed=seed)]
-    from trl_fp8.tasks.chat_math import make_chat_math_dataset
+    from trl_fp8.app.tasks.chat_math import make_chat_math_dataset
 
     return [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
             for r in make_chat_math_dataset(prompts, seed=seed)]
@@ -212,8 +212,8 @@ def step_time_ratio(pairs: int, steps: int) -> list[float]:
     from overhead import _step_timer
 
     import trl_fp8
-    from trl_fp8.demo.model import demo_model_path
-    from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+    from trl_fp8.app.demo.model import demo_model_path
+    from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
     def run(mxfp8: bool, workdir: str) -> float:
         args = trl_fp8.GRPOConfig(

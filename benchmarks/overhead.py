@@ -59,8 +59,8 @@ def one_run(flavour: str, steps: int, workdir: str, model: str = DEMO, cap: int 
     }[flavour]
     extra = dict(fair_cast="stochastic", sync_checks="default") if flavour == "trl_fp8_features" else {}
     if model == DEMO:
-        from trl_fp8.demo.model import demo_model_path
-        from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+        from trl_fp8.app.demo.model import demo_model_path
+        from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
         shape = dict(bf16=False, learning_rate=1e-4, per_device_train_batch_size=64, num_generations=8,
                      max_completion_length=16)
@@ -68,7 +68,7 @@ def one_run(flavour: str, steps: int, workdir: str, model: str = DEMO, cap: int 
             2000, seed=0)
     else:
         from trl_fp8.models import resolve_model
-        from trl_fp8.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
+        from trl_fp8.app.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
 
         shape = dict(bf16=True, learning_rate=5e-6, per_device_train_batch_size=8, num_generations=4,
                      max_completion_length=cap, generation_kwargs={"min_new_tokens": cap})

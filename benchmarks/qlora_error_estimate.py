@@ -1,6 +1,6 @@
 """Does fast QLoRA's data-free NF4 error estimate rank a real model's layers the way their true error does?
 
-Fast QLoRA decides which 4-bit layers to keep dense from the 4-bit weights alone (``trl_fp8.qlora.ranking``: a value
+Fast QLoRA decides which 4-bit layers to keep dense from the 4-bit weights alone (``trl_fp8.fast_qlora.ranking``: a value
 that quantized to code c lay uniformly in c's bin). On a pretrained model (default ``trl-fp8:smollm2``) the true
 error is measurable: the model is loaded twice — in fp32 and with ``BitsAndBytesConfig(load_in_4bit=True, nf4)``
 (bitsandbytes' blocksize 64, as a user's QLoRA load) — and for every 4-bit linear the true relative error is
@@ -64,7 +64,7 @@ def main() -> None:
 
     from trl_fp8 import fourbit
     from trl_fp8.models import resolve_model
-    from trl_fp8.qlora.ranking import LayerCost, estimate_error, relative_error, select_within_budget
+    from trl_fp8.fast_qlora.ranking import LayerCost, estimate_error, relative_error, select_within_budget
 
     path = resolve_model(args.model)
     dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -31,7 +31,7 @@ an optimizer step (generation + reward + loss forward + backward + optimizer, TR
 is the part of that step spent inside the trainer's generation call (for (c) that includes building the rollout
 cache). Ratios are computed per repetition and the median over repetitions is printed.
 
-Dequantizations per step: (b) counts every pass over a 4-bit weight with ``trl_fp8.qlora.counters.DequantCounter``
+Dequantizations per step: (b) counts every pass over a 4-bit weight with ``trl_fp8.fast_qlora.counters.DequantCounter``
 attached to its model (each 4-bit forward, each backward through one); (c) is the trainer's own
 ``qlora/dequant_calls`` metric (the same counter, plus the explicit dequantizations that build the rollout cache).
 
@@ -236,8 +236,8 @@ class Run:
 
         import trl_fp8
         from trl_fp8 import fourbit
-        from trl_fp8.qlora.counters import DequantCounter
-        from trl_fp8.tasks.arithmetic import make_arithmetic_dataset
+        from trl_fp8.fast_qlora.counters import DequantCounter
+        from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset
 
         self.arm, self.setup = arm, setup
         self.seed = setup.seed if seed is None else seed
@@ -418,7 +418,7 @@ def _preload() -> None:
     import datasets  # noqa: F401
     import peft  # noqa: F401
 
-    import trl_fp8.qlora.component  # noqa: F401
+    import trl_fp8.fast_qlora.component  # noqa: F401
     import trl_fp8.trainer  # noqa: F401
 
 
@@ -497,7 +497,7 @@ def equivalence_budgets_on(plain: Run, fast: Run, setup: Setup, seed: int) -> di
     import torch
 
     from trl_fp8 import _trl
-    from trl_fp8.tasks.arithmetic import make_arithmetic_dataset
+    from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset
 
     fast.capability.redo()  # the training-time policy (kept dense layers), as a step sees it
     delta = _set_adapters([plain, fast], seed)

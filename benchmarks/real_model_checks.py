@@ -39,7 +39,7 @@ def run(precision: str, adapters: str, steps: int, seed: int, vllm: bool, root: 
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
+    from trl_fp8.app.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
 
     peft_config = None
     if adapters == "lora":

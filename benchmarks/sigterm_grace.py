@@ -37,9 +37,9 @@ def run(mode: str, model: str, delay: float, cap: int, seed: int, root: str) -> 
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.budget.component import TimeBudget
+    from trl_fp8.time_budget.component import TimeBudget
     from trl_fp8.checkpoints import check_complete
-    from trl_fp8.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
+    from trl_fp8.app.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
 
     marks: dict[str, float] = {}
 

@@ -87,7 +87,7 @@ def main() -> None:
 
     import trl_fp8
     from trl_fp8.models import SMOLLM2, resolve_model
-    from trl_fp8.tasks.chat_math import (boxed_format_reward, chat_math_accuracy, correctness_reward,
+    from trl_fp8.app.tasks.chat_math import (boxed_format_reward, chat_math_accuracy, correctness_reward,
                                          make_chat_math_dataset)
 
     lr = args.lr if args.lr is not None else (5e-6 if args.adapters == "full" else 1e-4)

@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="sampled completions per prompt")
     parser.add_argument("--cap", type=int, default=128, help="max new tokens")
     parser.add_argument("--no-system", action="store_true", help="no system prompt")
-    parser.add_argument("--style", default="system", help="system | user | fewshot (see trl_fp8.tasks.chat_math)")
+    parser.add_argument("--style", default="system", help="system | user | fewshot (see trl_fp8.app.tasks.chat_math)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--jsonl", default=None)
     args = parser.parse_args()
@@ -36,7 +36,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_fp8.models import resolve_model
-    from trl_fp8.tasks.chat_math import SYSTEM_PROMPT, boxed_format_reward, correctness_reward, make_chat_math_dataset
+    from trl_fp8.app.tasks.chat_math import SYSTEM_PROMPT, boxed_format_reward, correctness_reward, make_chat_math_dataset
 
     torch.manual_seed(args.seed)
     folder = resolve_model("trl-fp8:smollm2")

@@ -58,8 +58,8 @@ class _CheckClock:
 
 def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, float]:
     import trl_fp8
-    from trl_fp8.demo.model import demo_model_path
-    from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+    from trl_fp8.app.demo.model import demo_model_path
+    from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
     extra = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64) if vllm else {}
     args = trl_fp8.GRPOConfig(
@@ -68,9 +68,9 @@ def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, f
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         gradient_checkpointing=False, seed=0, fair_cast="stochastic", sync_checks=checks, **extra,
     )
-    from trl_fp8.sync.component import SyncChecks
-    from trl_fp8.sync.logprobs import SampledLogprobTap
-    from trl_fp8.sync.monitor import SyncMonitor
+    from trl_fp8.sync_checks.component import SyncChecks
+    from trl_fp8.sync_checks.logprobs import SampledLogprobTap
+    from trl_fp8.sync_checks.monitor import SyncMonitor
 
     clock = _CheckClock()
     for name in ("before_sync", "after_sync", "after_generation"):
@@ -96,7 +96,7 @@ def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, f
 
 
 def main() -> None:
-    from trl_fp8.sync.checks import resolve_checks
+    from trl_fp8.sync_checks.checks import resolve_checks
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=9, help="interleaved off/checked pairs (>= 5)")

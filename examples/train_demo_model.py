@@ -8,7 +8,7 @@ arithmetic task, stopped early on purpose so that GRPO starts from a policy that
 
 import argparse
 
-from trl_fp8.demo.model import DEMO_MODEL_DIR, WarmupSettings, train_demo_model
+from trl_fp8.app.demo.model import DEMO_MODEL_DIR, WarmupSettings, train_demo_model
 
 
 def main():

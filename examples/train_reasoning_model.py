@@ -3,7 +3,7 @@
     python examples/train_reasoning_model.py [--steps N] [--seed 0] [--output-dir trl_fp8/assets/reasoning_model]
 
 The character-level tokenizer, a 4-layer Qwen2 (hidden 128, head_dim 32) and a supervised warm-up on the chained
-arithmetic task (trl_fp8.tasks.reasoning), stopped early and label-smoothed on purpose: greedy decoding is mostly
+arithmetic task (trl_fp8.app.tasks.reasoning), stopped early and label-smoothed on purpose: greedy decoding is mostly
 right, a sample at temperature 1 only sometimes, and a few samples lose the thread and run to the length cap. The
 held-out measurements (accuracy by number of terms, completion lengths, capped fraction, training time) are printed
 and written to warmup.json beside the model.
@@ -11,7 +11,7 @@ and written to warmup.json beside the model.
 
 import argparse
 
-from trl_fp8.demo.reasoning_model import REASONING_MODEL_DIR, ReasoningWarmupSettings, train_reasoning_model
+from trl_fp8.app.demo.reasoning_model import REASONING_MODEL_DIR, ReasoningWarmupSettings, train_reasoning_model
 
 
 def main():

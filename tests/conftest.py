@@ -39,7 +39,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_dir():
     """The embedded demo model's folder (loaded with the real from_pretrained)."""
-    from trl_fp8.demo.model import demo_model_path
+    from trl_fp8.app.demo.model import demo_model_path
 
     return demo_model_path()
 

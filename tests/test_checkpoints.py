@@ -11,7 +11,7 @@ import torch
 
 import trl_fp8
 from trl_fp8 import checkpoints as ck
-from trl_fp8.tasks.arithmetic import make_arithmetic_dataset
+from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset
 
 
 # -- folders built by hand ----------------------------------------------------------------------------------------
@@ -400,7 +400,7 @@ def test_the_settings_record_the_number_of_processes(tmp_path, tiny_model_dir):
 
 
 def test_a_state_file_that_does_not_load_names_the_checkpoint_and_the_capability(tmp_path):
-    from trl_fp8.components import Capability
+    from trl_fp8.capability import Capability
 
     class Stateful(Capability):
         name = "duet"

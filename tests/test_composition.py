@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from trl_fp8 import composition
-from trl_fp8.capabilities import CAPABILITIES
-from trl_fp8.components import Capability, Conflict
+from trl_fp8.registry import CAPABILITIES
+from trl_fp8.capability import Capability, Conflict
 
 
 def _cap(name, after=(), overrides=(), excludes=None, conflicts=(), wanted=True):

@@ -31,7 +31,7 @@ def test_a_served_copy_needs_fp32_masters_and_something_to_export():
 
 
 def test_the_budget_planner_and_duets_allocation_name_their_arguments():
-    from trl_fp8.budget.core import BudgetPlanner
+    from trl_fp8.time_budget.core import BudgetPlanner
     from trl_fp8.duet.allocation import allocate_rollouts
 
     with pytest.raises(ValueError, match="budget_s must be > 0, got 0"):
@@ -48,8 +48,8 @@ def test_the_budget_planner_and_duets_allocation_name_their_arguments():
 
 
 def test_the_logprob_tap_and_the_report_refuse_bad_arguments(tmp_path):
-    from trl_fp8.report import plot_budget, resolve_metrics_path
-    from trl_fp8.sync.logprobs import SampledLogprobTap
+    from trl_fp8.app.report import plot_budget, resolve_metrics_path
+    from trl_fp8.sync_checks.logprobs import SampledLogprobTap
 
     with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
         SampledLogprobTap(temperature=0)
@@ -66,10 +66,10 @@ def test_the_logprob_tap_and_the_report_refuse_bad_arguments(tmp_path):
 
 
 @pytest.mark.parametrize("make, kwargs, message", [
-    ("trl_fp8.tasks.arithmetic:make_arithmetic_dataset", dict(num_samples=0), "num_samples must be >= 1, got 0"),
-    ("trl_fp8.tasks.arithmetic:make_arithmetic_dataset", dict(num_samples=2, max_operand=0),
+    ("trl_fp8.app.tasks.arithmetic:make_arithmetic_dataset", dict(num_samples=0), "num_samples must be >= 1, got 0"),
+    ("trl_fp8.app.tasks.arithmetic:make_arithmetic_dataset", dict(num_samples=2, max_operand=0),
      "max_operand must be >= 1, got 0"),
-    ("trl_fp8.tasks.chat_math:make_chat_math_dataset", dict(num_samples=0), "num_samples must be >= 1, got 0"),
+    ("trl_fp8.app.tasks.chat_math:make_chat_math_dataset", dict(num_samples=0), "num_samples must be >= 1, got 0"),
 ])
 def test_task_datasets_refuse_empty_or_impossible_requests(make, kwargs, message):
     import importlib

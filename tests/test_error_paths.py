@@ -19,8 +19,8 @@ from trl_fp8.fair_cast.served import ServedCopy
 from trl_fp8.mxfp8.convert import MXRecipe
 from trl_fp8 import numerics
 from trl_fp8.numerics import TensorSpec, mx_fake_quantize, torch_dtype
-from trl_fp8.sync.logprobs import SampledLogprobTap
-from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+from trl_fp8.sync_checks.logprobs import SampledLogprobTap
+from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
 from trl_fp8.tokenization import build_char_tokenizer
 
 

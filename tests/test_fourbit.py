@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from tests.qlora.conftest import load_4bit_demo, make_4bit_linear
+from tests.fast_qlora.conftest import load_4bit_demo, make_4bit_linear
 from trl_fp8 import fourbit
 
 

@@ -79,7 +79,7 @@ def test_smollm2_loads_generates_and_trains_two_grpo_steps_in_bf16_with_fair_cas
     answer = tokenizer.decode(out[0, chat["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "5" in answer, answer  # a pretrained instruct model, not random weights
 
-    from trl_fp8.demo.tasks import demo_task
+    from trl_fp8.app.demo.tasks import demo_task
 
     task = demo_task("chat_math")  # its held-out accuracy runs on the real model (greedy: repeatable)
     assert task.accuracy(model, tokenizer, num_problems=4, seed=5, temperature=None) == \

@@ -6,7 +6,7 @@ overridden as papermill does (an ``injected-parameters`` cell right after the ce
 2 steps with a checkpoint at step 2, then the same notebook again with 4 steps. The second execution must resume
 from the first's checkpoint: it trains steps 2 -> 4, and the run's metrics.jsonl holds steps 1..4 once each.
 
-The notebooks use ``time_budget``, ``precision="auto"`` and ``resume_from_checkpoint="auto"`` (trl_fp8/budget,
+The notebooks use ``time_budget``, ``precision="auto"`` and ``resume_from_checkpoint="auto"`` (trl_fp8/time_budget,
 trl_fp8/precision.py, trl_fp8/checkpoints.py): without them the executions fail
 (``test_the_notebooks_config_fields_exist`` says which are missing).
 """

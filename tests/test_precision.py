@@ -11,6 +11,7 @@ import torch
 import trl_fp8.precision as precision
 from trl_fp8 import GRPOConfig, _trl
 from trl_fp8.precision import decide, resolve_precision, vllm_dtype
+from trl_fp8.registry import CAPABILITIES
 
 T4 = ("Tesla T4", (7, 5))
 V100 = ("Tesla V100-SXM2-16GB", (7, 0))
@@ -61,7 +62,7 @@ def test_use_cpu_means_fp32_even_with_a_gpu(monkeypatch):
 def test_auto_sets_bf16_and_fp16(monkeypatch, gpus, bf16, fp16):
     _fake_cuda(monkeypatch, *gpus)
     args = _args()
-    resolve_precision(args)
+    resolve_precision(args, CAPABILITIES)
     assert (args.bf16, args.fp16) == (bf16, fp16)
 
 
@@ -69,8 +70,8 @@ def test_t4_gets_fp16_a_half_vllm_engine_and_a_float16_fair_cast_copy(monkeypatc
     _fake_cuda(monkeypatch, T4)
     args = _args(fair_cast="stochastic", use_vllm=True)
     with caplog.at_level(logging.INFO, logger="trl_fp8.precision"):
-        assert resolve_precision(args) == "fp16"
-        resolve_precision(_args(fair_cast="stochastic", use_vllm=True))  # the same decision again: not logged again
+        assert resolve_precision(args, CAPABILITIES) == "fp16"
+        resolve_precision(_args(fair_cast="stochastic", use_vllm=True), CAPABILITIES)  # the same decision again: not logged again
     assert (args.bf16, args.fp16, args.served_dtype, vllm_dtype(args)) == (False, True, "float16", "half")
     [record] = caplog.records
     assert record.getMessage() == (
@@ -88,7 +89,7 @@ def test_a_vllm_server_is_told_how_to_start(monkeypatch, caplog):
 def test_bf16_and_fp32_leave_vllm_and_fair_cast_alone(monkeypatch):
     _fake_cuda(monkeypatch, A100)
     args = _args(fair_cast="stochastic", use_vllm=True)
-    resolve_precision(args)
+    resolve_precision(args, CAPABILITIES)
     assert (args.served_dtype, vllm_dtype(args)) == ("bfloat16", None)
     assert vllm_dtype(SimpleNamespace(precision=None, fp16=True)) is None  # fp16 given by hand: TRL's behaviour
     assert vllm_dtype(SimpleNamespace(fp16=True)) is None  # a plain TRL config
@@ -107,14 +108,14 @@ def test_a_contradicting_explicit_field_is_refused_naming_both(monkeypatch, gpus
 def test_an_agreeing_explicit_field_is_fine(monkeypatch):
     _fake_cuda(monkeypatch, T4)
     args = _args(bf16=False, fp16=True)
-    assert resolve_precision(args) == "fp16" and (args.bf16, args.fp16) == (False, True)
+    assert resolve_precision(args, CAPABILITIES) == "fp16" and (args.bf16, args.fp16) == (False, True)
 
 
 @pytest.mark.parametrize("asked, bf16, fp16", [("bf16", True, False), ("fp16", False, True), ("fp32", False, False)])
 def test_explicit_values(monkeypatch, asked, bf16, fp16):
     _fake_cuda(monkeypatch, A100)
     args = _args(precision=asked)
-    assert resolve_precision(args) == asked and (args.bf16, args.fp16) == (bf16, fp16)
+    assert resolve_precision(args, CAPABILITIES) == asked and (args.bf16, args.fp16) == (bf16, fp16)
 
 
 def test_explicit_bf16_on_a_t4_warns(monkeypatch, caplog):
@@ -127,14 +128,14 @@ def test_explicit_bf16_on_a_t4_warns(monkeypatch, caplog):
 def test_none_leaves_everything_as_given(monkeypatch):
     _fake_cuda(monkeypatch, T4)
     args = _args(precision=None, bf16=True)
-    assert resolve_precision(args) is None and (args.bf16, args.fp16) == (True, False)
+    assert resolve_precision(args, CAPABILITIES) is None and (args.bf16, args.fp16) == (True, False)
 
 
 def test_other_accelerators_keep_trls_fields(monkeypatch):
     _fake_cuda(monkeypatch)
     monkeypatch.setattr(precision, "_other_accelerator", lambda: "mps")
     args = _args()
-    assert resolve_precision(args) is None and args.bf16 is None
+    assert resolve_precision(args, CAPABILITIES) is None and args.bf16 is None
 
 
 # -- through GRPOConfig (the real __post_init__ chain; the GPU faked at trl_fp8's seam, so that transformers' own

@@ -5,7 +5,7 @@ import torch
 
 from trl_fp8 import numerics
 from trl_fp8.samplers import SyncLog, TransformersSampler, VLLMServerSampler, effective_columns, probe_columns
-from trl_fp8.sync.monitor import LearnerSide, SyncMonitor
+from trl_fp8.sync_checks.monitor import LearnerSide, SyncMonitor
 
 
 @pytest.fixture

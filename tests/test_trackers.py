@@ -31,8 +31,8 @@ PROJECT = "trl-fp8-test"
 SESSION = r"""
 import json, os, sys
 from trl_fp8 import GRPOConfig, GRPOTrainer
-from trl_fp8.demo.model import demo_model_path
-from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+from trl_fp8.app.demo.model import demo_model_path
+from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
 out, max_steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
 args = GRPOConfig(

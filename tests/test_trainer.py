@@ -7,7 +7,7 @@ import torch
 import trl
 
 import trl_fp8
-from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
 # Wall-clock entries differ between any two runs; everything else must be identical.
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
@@ -56,7 +56,7 @@ def _train(trainer_cls, config_cls, model_dir, tmp_path, name, **overrides):
     ids=["dapo-default", "grpo-beta-multi-iteration"],
 )
 def test_bitwise_parity_with_trl(overrides, tmp_path):
-    from trl_fp8.demo.model import demo_model_path
+    from trl_fp8.app.demo.model import demo_model_path
 
     model_dir = demo_model_path()
     ref_logs, ref_params = _train(trl.GRPOTrainer, trl.GRPOConfig, model_dir, tmp_path, "trl", **overrides)

@@ -98,7 +98,7 @@ def test_mirrored_trl_code_is_unchanged():
 
 
 def test_a_constructed_trainer_has_every_attribute_we_read(tmp_path, demo_dir):
-    from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+    from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
 
     args = trl_fp8.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1,
                               per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
@@ -111,7 +111,7 @@ def test_a_constructed_trainer_has_every_attribute_we_read(tmp_path, demo_dir):
 
 
 def test_vllm_attributes_are_still_set_by_trl():
-    # read from TRL's source: building a vLLM engine needs the vllm environment (tests/sync/test_vllm_engine.py)
+    # read from TRL's source: building a vLLM engine needs the vllm environment (tests/sync_checks/test_vllm_engine.py)
     from trl.generation.vllm_generation import VLLMGeneration
 
     sources = {"GRPOTrainer": inspect.getsource(TRLGRPOTrainer.__init__),

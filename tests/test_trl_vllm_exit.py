@@ -66,7 +66,7 @@ ENGINE_SCRIPT = textwrap.dedent(
     from trl.generation.vllm_generation import ensure_master_addr_port
     from vllm import LLM
     from trl_fp8._trl import shutdown_vllm
-    from trl_fp8.demo.model import demo_model_path
+    from trl_fp8.app.demo.model import demo_model_path
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # as TRL's colocate mode sets them
     ensure_master_addr_port()
@@ -99,7 +99,7 @@ def test_engine_exit_order(order):
 def test_grpo_cli_colocate_exits_cleanly(tmp_path):
     """`trl-fp8 grpo ... --use_vllm true --vllm_mode colocate` trains, saves and exits with no traceback."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trl_fp8.cli", "grpo", "--config", str(REPO / "recipes" / "demo_grpo.yaml"),
+    cmd = [sys.executable, "-m", "trl_fp8.app.cli", "grpo", "--config", str(REPO / "recipes" / "demo_grpo.yaml"),
            "--max_steps", "2", "--per_device_train_batch_size", "16", "--output_dir", str(out),
            "--metrics_jsonl", str(out / "metrics.jsonl"), "--use_vllm", "true", "--vllm_mode", "colocate",
            "--vllm_max_model_length", "64", "--fair_cast", "stochastic"]

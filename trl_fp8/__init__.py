@@ -5,8 +5,13 @@ Change one import and keep the rest of a TRL GRPO script::
     # from trl import GRPOTrainer, GRPOConfig
     from trl_fp8 import GRPOTrainer, GRPOConfig
 
-The names below are imported on first use, so that ``import trl_fp8.cli`` stays light (the CLI silences
+The names below are imported on first use, so that ``import trl_fp8.app.cli`` stays light (the CLI silences
 known third-party import notices before torch is imported).
+
+Layout: the library (the trainer, its config, each capability's package, checkpoints, metrics) at the top; the app
+built on it (the ``trl-fp8`` CLI, the demo, the tasks, the TRL-style script, the report plots) under
+:mod:`trl_fp8.app`. Modules renamed in 0.2 keep their old import path for now, with a ``FutureWarning``
+(:mod:`trl_fp8._moved`).
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
+from ._moved import install as _install_moved
+
 __version__ = "0.1.0"
+_install_moved()
 
 _EXPORTS = {
     "GRPOConfig": ".config",
     "GRPOTrainer": ".trainer",
-    "WeightSyncError": ".sync",
-    "WeightSyncWarning": ".sync",
+    "WeightSyncError": ".sync_checks",
+    "WeightSyncWarning": ".sync_checks",
     "get_kbit_device_map": ".utils",
     "ModelConfig": "trl",
     "ScriptArguments": "trl",
@@ -36,7 +44,7 @@ if TYPE_CHECKING:
     from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
     from .config import GRPOConfig
-    from .sync import WeightSyncError, WeightSyncWarning
+    from .sync_checks import WeightSyncError, WeightSyncWarning
     from .trainer import GRPOTrainer
     from .utils import get_kbit_device_map
 
@@ -47,7 +55,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(module, __name__ if module.startswith(".") else None), name)
         globals()[name] = value
         return value
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a subpackage, e.g. trl_fp8.sync
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a subpackage, e.g. trl_fp8.sync_checks
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

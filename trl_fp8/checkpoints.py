@@ -263,7 +263,7 @@ def clean_stale(run_dir: str) -> list[str]:
 
 # -- settings a resume must match ---------------------------------------------------------------------------------
 def _capability_classes():
-    from .capabilities import CAPABILITIES
+    from .registry import CAPABILITIES
 
     return CAPABILITIES
 
@@ -592,7 +592,7 @@ def save_final_model(trainer, output_dir: str) -> None:
 
 
 def save_stopped_run(trainer, trial):
-    """After :class:`~trl_fp8.components.StopNow` cut an optimizer step short: the weights, optimizer and scheduler are
+    """After :class:`~trl_fp8.capability.StopNow` cut an optimizer step short: the weights, optimizer and scheduler are
     still those of the last complete step (its gradients were never applied), so that step's checkpoint is written
     — with TRL's generation buffer as it was at that step's end — unless it exists already (saved at that step, or
     the one resumed from). Then the callbacks' ``on_train_end`` runs (trackers flush) and ``train()`` returns."""

@@ -1,4 +1,4 @@
-"""Where capabilities meet, read from what each declares (:class:`trl_fp8.components.Capability`): the set-up order
+"""Where capabilities meet, read from what each declares (:class:`trl_fp8.capability.Capability`): the set-up order
 (``after``), the settings and capabilities a run cannot combine (``conflicts``, ``excludes``), and which offer wins
 when two offer a serving stream or a generation model (``overrides``). Pure: no trainer state, no imports of any
 capability — a new capability declares its joins in its own class.
@@ -73,7 +73,7 @@ def winner(offers: dict):
 
 
 def serving(trainer):
-    """What the sampler is sent instead of TRL's stream (:class:`~trl_fp8.components.Serving`), or None."""
+    """What the sampler is sent instead of TRL's stream (:class:`~trl_fp8.capability.Serving`), or None."""
     return winner({type(c): c.serving(trainer) for c in trainer.capabilities.values()})
 
 
@@ -94,7 +94,7 @@ def vllm_generate(trainer):
 
 @contextlib.contextmanager
 def engine_contexts(capabilities, args):
-    """Every capability's :meth:`~trl_fp8.components.Capability.engine_context` for this config, entered in order."""
+    """Every capability's :meth:`~trl_fp8.capability.Capability.engine_context` for this config, entered in order."""
     with contextlib.ExitStack() as stack:
         for cap in capabilities:
             context = cap.engine_context(args)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig as _TRLGRPOConfig
 
-from .capabilities import CAPABILITIES
+from .registry import CAPABILITIES
 from .composition import check_conflicts
-from .components import check_choice  # noqa: F401  (re-exported: part of trl_fp8.config's API)
+from .capability import check_choice  # noqa: F401  (re-exported: part of trl_fp8.config's API)
 from .precision import PrecisionArgs, resolve_precision
 
 
@@ -44,7 +44,7 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
     """
 
     def __post_init__(self):
-        resolve_precision(self)  # sets bf16/fp16 before TRL (unset bf16 -> True) and transformers read them
+        resolve_precision(self, CAPABILITIES)  # sets bf16/fp16 before TRL (unset bf16 -> True) and transformers read them
         super().__post_init__()
         self._validate_metrics_jsonl()
         for capability in CAPABILITIES:

@@ -15,7 +15,7 @@ request wins: a guard never lets a capability run in a mode nobody tested becaus
 (supported) or the reason it is refused. :func:`admit` applies it at config time and at trainer start: a refused
 capability raises a ``ValueError`` naming the capability, the engine, where the engine was asked for and how to turn
 the capability off — except one that is on by default and was not asked for (``soft_default``, the weight-sync
-checks), which says so in one warning line and stays off. :func:`trl_fp8.capabilities.support_table` is the README's table.
+checks), which says so in one warning line and stays off. :func:`trl_fp8.registry.support_table` is the README's table.
 
 **Collectives.** :func:`gather_objects`, :func:`reduce_floats`: no-ops on one process, one small collective
 otherwise; every rank must call them at the same point (the capabilities call them at fixed points of the step).

@@ -18,7 +18,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from .components import check_choice
+from .capability import check_choice
 
 logger = logging.getLogger("trl_fp8.precision")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -88,8 +88,9 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-def resolve_precision(args) -> str | None:
-    """Resolve ``args.precision`` into ``args.bf16`` / ``args.fp16`` (and Fair Cast's ``served_dtype``), before TRL's
+def resolve_precision(args, capabilities=()) -> str | None:
+    """Resolve ``args.precision`` into ``args.bf16`` / ``args.fp16`` (and what ``capabilities`` adapt to it through
+    :meth:`~trl_fp8.capability.Capability.adapt_precision`, e.g. Fair Cast's ``served_dtype``), before TRL's
     ``__post_init__``. Returns the precision used, or None where TRL's fields apply unchanged. A ``bf16`` or ``fp16``
     given explicitly that contradicts it raises a ``ValueError`` naming both fields."""
     asked = args.precision
@@ -114,10 +115,11 @@ def resolve_precision(args) -> str | None:
     args.bf16, args.fp16 = bf16, fp16
     notes = {"bf16": "bf16 autocast (bf16=True)", "fp16": "fp16 autocast over fp32 master weights (fp16=True)",
              "fp32": "fp32 (bf16=False, fp16=False)"}[resolved]
+    for capability in capabilities:  # declared per capability (e.g. Fair Cast serves fp16 under fp16)
+        note = capability.adapt_precision(args, resolved)
+        if note:
+            notes += f", {note}"
     if fp16:
-        if getattr(args, "fair_cast", "off") != "off" and getattr(args, "served_dtype", None) == "bfloat16":
-            args.served_dtype = "float16"
-            notes += ", Fair Cast served_dtype='float16'"
         if getattr(args, "use_vllm", False):
             notes += (", a colocated vLLM engine in dtype 'half'" if getattr(args, "vllm_mode", None) == "colocate"
                       else "; start the vLLM server with `trl vllm-serve --dtype half`")

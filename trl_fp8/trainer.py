@@ -1,7 +1,7 @@
 """``trl_fp8.GRPOTrainer``: ``trl.GRPOTrainer`` with trl_fp8's capabilities composed in.
 
 The trainer is the composer only: it holds the ordered list of the capabilities a run asks for
-(:data:`trl_fp8.capabilities.CAPABILITIES`) and calls their hooks (:class:`trl_fp8.components.Capability`) at
+(:data:`trl_fp8.registry.CAPABILITIES`) and calls their hooks (:class:`trl_fp8.capability.Capability`) at
 fixed points of TRL's step. Where capabilities must compose, the order is written here, once: Fair Cast's twin is
 the model generation runs with (synced, with the checks observing the sync), DUET replaces the in-process
 generation path (with vLLM: the engine call of TRL's path, after TRL's own sync), the checks record the sampler's
@@ -18,10 +18,10 @@ import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from . import _trl, checkpoints, composition, distributed, models, trackers
-from .capabilities import CAPABILITIES
-from .components import Capability, Serving, StopNow
+from .registry import CAPABILITIES
+from .capability import Capability, Serving, StopNow
 from .config import GRPOConfig
-from .report import MetricsJsonlCallback
+from .metrics import MetricsJsonlCallback
 
 
 class GRPOTrainer(_TRLGRPOTrainer):

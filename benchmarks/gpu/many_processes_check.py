@@ -35,8 +35,8 @@ TESTS = os.path.join(ROOT, "tests", "distributed")
 GUARD = r"""
 import json, os, sys
 import trl_fp8
-from trl_fp8.demo.model import demo_model_path
-from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+from trl_fp8.app.demo.model import demo_model_path
+from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
 
 args = trl_fp8.GRPOConfig(output_dir=sys.argv[1], use_cpu=sys.argv[2] == "cpu", report_to="none", max_steps=1,
                           num_generations=4, per_device_train_batch_size=4, max_completion_length=4,

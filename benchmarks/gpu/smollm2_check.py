@@ -30,7 +30,7 @@ def main() -> int:
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
-    from trl_fp8.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
+    from trl_fp8.app.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])

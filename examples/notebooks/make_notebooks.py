@@ -153,11 +153,11 @@ TASK = """import torch
 from peft import LoraConfig
 from transformers import BitsAndBytesConfig
 
-from trl_fp8.tasks import correctness_reward, extract_boxed
+from trl_fp8.app.tasks import correctness_reward, extract_boxed
 
 if SMOKE:
-    from trl_fp8.demo.model import demo_model_path
-    from trl_fp8.tasks import format_reward, make_arithmetic_dataset
+    from trl_fp8.app.demo.model import demo_model_path
+    from trl_fp8.app.tasks import format_reward, make_arithmetic_dataset
 
     model_id = demo_model_path()
     train_dataset = make_arithmetic_dataset(512, seed=0)
@@ -256,7 +256,7 @@ session of the run so far (read from `metrics.jsonl`)."""
 
 PLOTS = """from IPython.display import Image, display
 
-from trl_fp8.report import plot_metrics
+from trl_fp8.app.report import plot_metrics
 
 for png in plot_metrics(os.path.join(OUTPUT_DIR, "metrics.jsonl"), os.path.join(OUTPUT_DIR, "plots")):
     display(Image(filename=png))"""

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kill_runner  # noqa: E402  (environment, model and reward shared with the kill matrix)
 
 import trl_fp8  # noqa: E402
-from trl_fp8.tasks.arithmetic import make_arithmetic_dataset  # noqa: E402
+from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset  # noqa: E402
 
 
 def main(out: str, model_dir: str, max_steps: int, each_node: bool = False) -> None:

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 import trl_fp8  # noqa: E402
 from trl_fp8 import checkpoints  # noqa: E402
-from trl_fp8.tasks.arithmetic import make_arithmetic_dataset  # noqa: E402
+from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset  # noqa: E402
 from trl_fp8.trainer import GRPOTrainer  # noqa: E402  (imports TRL and transformers in the parent)
 
 SESSION_TIMEOUT_S = 600

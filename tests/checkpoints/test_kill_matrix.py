@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from trl_fp8.report import read_metrics
+from trl_fp8.app.report import read_metrics
 
 RUNNER = os.path.join(os.path.dirname(__file__), "kill_runner.py")
 # Per configuration: where each of its sessions dies (the session after the last one runs to the end). Together they

@@ -95,8 +95,8 @@ def keyed_sampling(trainer):
 
 def make_trainer(out, name, **fields):
     import trl_fp8
-    from trl_fp8.demo.model import demo_model_path
-    from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+    from trl_fp8.app.demo.model import demo_model_path
+    from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
 
     world = _world()
     kwargs = dict(

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from trl_fp8 import distributed
-from trl_fp8.capabilities import CAPABILITIES
+from trl_fp8.registry import CAPABILITIES
 from trl_fp8.distributed import Engine, admit, detect, detect_config, refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,7 +82,7 @@ def test_every_capability_declares_each_engine(capability):
 
 
 def test_default_checks_switch_off_with_one_line_instead_of_refusing(caplog):
-    from trl_fp8.sync.component import SyncChecks
+    from trl_fp8.sync_checks.component import SyncChecks
 
     engine = Engine("fsdp", 2, fsdp_version=2, source="fsdp2.yaml")
     with caplog.at_level(logging.INFO, logger="trl_fp8.distributed"):
@@ -98,7 +98,7 @@ def test_default_checks_switch_off_with_one_line_instead_of_refusing(caplog):
 
 
 def test_support_table_has_every_capability_and_engine():
-    from trl_fp8.capabilities import support_table
+    from trl_fp8.registry import support_table
 
     table = dict(support_table())
     assert set(table) == {c.name for c in CAPABILITIES}
@@ -144,8 +144,8 @@ def test_config_refuses_deepspeed_from_an_accelerate_config(monkeypatch, tmp_pat
 TRAINER_SCRIPT = r"""
 import json, os, sys
 import trl_fp8
-from trl_fp8.demo.model import demo_model_path
-from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+from trl_fp8.app.demo.model import demo_model_path
+from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
 
 out = {}
 def build(**fields):

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from trl_fp8.capabilities import CAPABILITIES
-from trl_fp8.cli import accelerate_config_names, resolve_accelerate_config
+from trl_fp8.registry import CAPABILITIES
+from trl_fp8.app.cli import accelerate_config_names, resolve_accelerate_config
 from trl_fp8.distributed import detect_config, refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

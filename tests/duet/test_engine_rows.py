@@ -14,7 +14,7 @@ from trl_fp8.duet import sampling
 from trl_fp8.duet.component import Duet
 from trl_fp8.duet.markers import MarkerDetector
 from trl_fp8.duet.vllm import engine_rollouts
-from trl_fp8.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
 
 SLOTS = 4
 

@@ -10,7 +10,7 @@ import trl_fp8
 from trl_fp8.duet.allocation import allocate_rollouts, inclusion_probabilities
 from trl_fp8.duet.component import abort_grace
 from trl_fp8.duet.controller import DuetController
-from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
 
 def test_counts_are_zero_or_a_group():
@@ -88,7 +88,7 @@ def test_abort_grace_scales_with_the_completion_cap():
 
 @pytest.fixture(scope="module")
 def demo_dir():
-    from trl_fp8.demo.model import demo_model_path
+    from trl_fp8.app.demo.model import demo_model_path
 
     return demo_model_path()
 

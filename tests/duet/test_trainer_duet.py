@@ -9,7 +9,7 @@ import trl_fp8
 from trl_fp8.duet.abort import RolloutMonitor
 from trl_fp8.duet.markers import MarkerDetector
 from trl_fp8.duet.sampling import DuetStoppingCriteria
-from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
 
 def _args(tmp_path, **overrides):
@@ -44,7 +44,7 @@ def _trainer(tmp_path, model_dir, dataset=None, cls=trl_fp8.GRPOTrainer, **overr
 
 @pytest.fixture(scope="module")
 def demo_dir():
-    from trl_fp8.demo.model import demo_model_path
+    from trl_fp8.app.demo.model import demo_model_path
 
     return demo_model_path()
 

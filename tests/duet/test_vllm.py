@@ -141,7 +141,7 @@ def test_per_prompt_counts_one_request_per_planned_rollout(engine, tiny_model_di
 
 def _trainer(tmp_path, model_dir, cls=None, **overrides):
     import trl_fp8
-    from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+    from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
     kwargs = dict(
         output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=3, learning_rate=1e-4,
@@ -230,7 +230,7 @@ def test_duet_with_fair_cast_and_every_check_on_the_engine(tmp_path, demo_dir):
     assert len(records) == 3
     for record in records:
         assert record["duet/rollouts_per_prompt/mean"] < 4  # DUET planned (β = 0.5) ...
-        for check in trl_fp8.sync.CHECKS:  # ... and every check that ran passed
+        for check in trl_fp8.sync_checks.CHECKS:  # ... and every check that ran passed
             if f"sync/{check}" in record:
                 assert record[f"sync/{check}"] == 1.0, (check, record)
     summary = trainer.capability("sync_checks").monitor.summary()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import trl_fp8
-from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
 
 def _args(tmp_path, name="run", **overrides):
@@ -29,7 +29,7 @@ def _trainer(tmp_path, model_dir, peft_config=None, **overrides):
 
 @pytest.fixture(scope="module")
 def demo_dir():
-    from trl_fp8.demo.model import demo_model_path
+    from trl_fp8.app.demo.model import demo_model_path
 
     return demo_model_path()
 

@@ -10,7 +10,7 @@ from torch import nn
 import trl_fp8
 from trl_fp8.mxfp8.convert import layer_recipe
 from trl_fp8.numerics import mx_fake_quantize as fake_quantize
-from trl_fp8.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
 LAYER = "model.layers.1.mlp.down_proj"
 

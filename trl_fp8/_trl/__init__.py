@@ -7,7 +7,7 @@ internals), ``vllm_engine`` (TRL's vLLM generation and the colocated engine), ``
 Nothing else in trl_fp8 reaches into a private method, an undocumented attribute or a module global of TRL or
 vLLM: it calls a function here. One exception by design: :class:`trl_fp8.samplers.VLLMColocateSampler` is the
 adapter of a vLLM engine's *layers* (``packed_modules_mapping``, ``output_sizes``, ``quant_method``,
-``input_size_per_partition``) and reads them itself; the real-engine tests (``tests/sync/test_vllm_engine.py``)
+``input_size_per_partition``) and reads them itself; the real-engine tests (``tests/sync_checks/test_vllm_engine.py``)
 exercise every one of them. ``tests/test_trl_contract.py`` pins what this module relies on — the signatures of
 the TRL methods trl_fp8 overrides or calls, the trainer attributes it reads, and a fingerprint (hash of the
 source) of each TRL code block whose *internals* it depends on — so a TRL upgrade fails with the list of what

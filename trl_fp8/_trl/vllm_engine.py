@@ -198,7 +198,7 @@ def vllm_platform_is_cpu() -> bool:
 def dense_engine():
     """While active, a colocated engine TRL builds for a 4-bit policy is started without TRL's
     ``quantization="bitsandbytes"``: it loads the checkpoint's 16-bit weights, and fast QLoRA sends it
-    ``dequant(W) + ΔW`` in that dtype (see :mod:`trl_fp8.qlora.vllm`)."""
+    ``dequant(W) + ΔW`` in that dtype (see :mod:`trl_fp8.fast_qlora.vllm`)."""
     def rewrite(kwargs):
         if kwargs.get("quantization") == "bitsandbytes":
             kwargs["quantization"] = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _trl, distributed
-from ..components import Capability, Conflict, check_fraction, check_int
+from ..capability import Capability, Conflict, check_fraction, check_int
 from .controller import DuetController
 from .markers import compile_markers
 from .sampling import DuetStoppingCriteria

@@ -11,7 +11,7 @@ import torch
 
 from .. import _trl, distributed, fourbit, numerics
 from ..numerics import dtype_name
-from ..components import Capability, Conflict, Serving, check_choice
+from ..capability import Capability, Conflict, Serving, check_choice
 from ..samplers import SyncLog, TransformersSampler
 from .callback import FairCastCallback
 from .rounding import SERVED_DTYPES
@@ -94,6 +94,15 @@ class FairCast(Capability):
     @classmethod
     def wanted(cls, args) -> bool:
         return getattr(args, "fair_cast", "off") != "off"
+
+    @classmethod
+    def adapt_precision(cls, args, resolved: str) -> str | None:
+        """Under fp16 autocast (GPUs without native bf16) the served copy is fp16 too, unless another dtype was
+        asked for."""
+        if resolved == "fp16" and cls.wanted(args) and getattr(args, "served_dtype", None) == "bfloat16":
+            args.served_dtype = "float16"
+            return "Fair Cast served_dtype='float16'"
+        return None
 
     def serving(self, trainer) -> Serving:
         return Serving(self.export_stream, self.dtype, self.sampler)

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from .. import fourbit
-from ..components import Capability, Conflict, check_choice
+from ..capability import Capability, Conflict, check_choice
 from .convert import DEFAULT_EXCLUDE, KERNELS, MXRecipe, convert_linears, linear_specs, resolve_kernel
 
 

@@ -1,0 +1,316 @@
+"""The seven checks as pure functions: each passes on agreeing inputs and fails, naming the tensor and the
+numbers, on the fault it targets."""
+
+import math
+
+import pytest
+import torch
+
+from trl_fp8.sync_checks import checks as C
+from trl_fp8.numerics import dense
+
+
+def test_resolve_checks_presets_lists_and_unknown_names():
+    assert C.resolve_checks("all") == C.CHECKS and len(C.CHECKS) == 7
+    assert C.resolve_checks("off") == ()
+    assert "differential_oracle" not in C.resolve_checks("default")
+    assert C.resolve_checks(["freshness", "coverage"]) == ("coverage", "freshness")  # canonical order
+    assert C.resolve_checks("coverage, cache_hygiene") == ("coverage", "cache_hygiene")
+    with pytest.raises(ValueError, match=r"unknown check\(s\) 'freshnes'.*known checks: recipe_parity"):
+        C.resolve_checks(["freshnes"])
+
+
+def test_bitwise_equal_sees_one_flipped_bit_and_signed_zero():
+    a = torch.randn(64, dtype=torch.bfloat16)
+    b = a.clone()
+    assert C.bitwise_equal(a, b)
+    b.view(torch.int16)[5] ^= 1
+    assert not C.bitwise_equal(a, b)
+    assert not C.bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not C.bitwise_equal(a, a.float())
+
+
+def test_recipe_parity_names_the_layer_and_the_field():
+    learner = {"a.weight": dense(torch.bfloat16), "b.weight": dense(torch.bfloat16)}
+    sampler = {"a.weight": dense(torch.bfloat16), "b.weight": dense(torch.float32)}
+    assert C.recipe_parity(learner, learner).passed
+    result = C.recipe_parity(learner, sampler)
+    assert not result.passed
+    assert "'b.weight': dtype learner='bfloat16' sampler='float32'" in result.message
+    excluded = {**sampler, "b.weight": learner["b.weight"].with_(excluded=True)}
+    assert "'b.weight': excluded learner=False sampler=True" in C.recipe_parity(learner, excluded).message
+
+
+def test_coverage_missing_duplicate_unknown_unwritten_and_shape():
+    expected = {"a": (2, 2), "b": (3,)}
+    targets = {"a": ["a"], "b": ["b"]}
+    shapes = {"a": (2, 2), "b": (3,)}
+    assert C.coverage({"a": 1, "b": 1}, expected, targets, shapes, shapes).passed
+    r = C.coverage({"a": 1}, expected, targets, {"a": (2, 2)}, shapes)
+    assert not r.passed and "not sent: b" in r.message and "served but never written: b" in r.message
+    assert "sent more than once: a" in C.coverage({"a": 2, "b": 1}, expected, targets, shapes, shapes).message
+    r = C.coverage({"a": 1, "b": 1, "c": 1}, expected, targets, {**shapes, "c": (1,)}, shapes)
+    assert "sent but not served: c" in r.message
+    r = C.coverage({"a": 1, "b": 1}, expected, {**targets, "fused[2]": []}, shapes, shapes)
+    assert "served but never written: fused[2]" in r.message
+    r = C.coverage({"a": 1, "b": 1}, expected, targets, {"a": (4,), "b": (3,)}, shapes)
+    assert "shape mismatch: 'a' sent (4,) served (2, 2)" in r.message
+
+
+def test_freshness_version_stale_tensor_and_stale_alias():
+    sent = {"w": torch.randn(4, 4), "v": torch.randn(3)}
+    served = {n: t.to(torch.bfloat16) for n, t in sent.items()}
+    assert C.freshness(5, "5", sent, served.__getitem__, {}).passed
+    r = C.freshness(5, "4", sent, served.__getitem__, {})
+    assert not r.passed and "weight version '4', the learner is at step 5" in r.message
+    stale = dict(served, v=served["v"].clone())
+    stale["v"][1] += 1
+    r = C.freshness(5, 5, sent, stale.__getitem__, {})
+    assert not r.passed and "'v' is not what the sync sent at step 5: 1 of 3 elements differ" in r.message
+    target = torch.randn(8, 2, dtype=torch.bfloat16)
+    r = C.freshness(5, 5, sent, served.__getitem__, {"lm_head.weight": (target + 1, target)})
+    assert not r.passed and "'lm_head.weight' (tied) computes with a stale copy" in r.message
+
+
+def test_quant_parity_compares_with_the_learner_quantizer_not_the_sent_bytes():
+    master = torch.randn(256) * 1e-3
+    reference = {"w": (master + 1e-6 * torch.rand(256)).to(torch.bfloat16)}  # e.g. a stochastic-rounding export
+    assert C.quant_parity(["w"], reference.__getitem__, reference.__getitem__).passed
+    rtn = {"w": master.to(torch.bfloat16)}
+    r = C.quant_parity(["w"], {"w": master.to(torch.bfloat16)}.__getitem__, {"w": rtn["w"].float()}.__getitem__)
+    assert not r.passed and "learner reference torch.bfloat16 (256,), sampler torch.float32" in r.message
+    flipped = reference["w"].clone()
+    flipped.view(torch.int16)[3] ^= 1
+    r = C.quant_parity(["w"], reference.__getitem__, {"w": flipped}.__getitem__)
+    assert not r.passed and "'w' differs from the learner's quantizer output: 1 of 256 elements" in r.message
+
+
+def test_quant_parity_skips_only_references_that_are_the_verified_sent_tensors():
+    ref = {"w": torch.randn(8).to(torch.bfloat16)}
+    wrong = {"w": ref["w"] + 1}
+    skipped = C.quant_parity(["w"], ref.__getitem__, wrong.__getitem__, sent={"w": ref["w"]})  # same object
+    assert skipped.passed and not skipped.applicable  # nothing compared: not applicable, not a pass to count
+    assert not C.quant_parity(["w"], ref.__getitem__, wrong.__getitem__, sent={"w": ref["w"].clone()}).passed
+
+
+def _logps(gap, explained=None, shape=(2, 5)):
+    """(learner, sampler, numerics): every token's |learner − sampler| is gap, |learner − numerics| explained."""
+    learner = torch.zeros(shape)  # at 0 the float32 gaps are the decimal ones to ~1e-7 relative
+    numerics = None if explained is None else learner - explained
+    return learner, learner - gap, numerics
+
+
+def _band(**kw):
+    return C.LogprobBand(**{"factor": 2.0, "floor": 0.01, "persistence": 3, "gross_factor": 5.0, "max_ratio": 1.05,
+                            "calibration": 3, "fallback_factor": 3.0, **kw})
+
+
+def _eval(band, gap, explained=None, step=0, mask=None):
+    learner, sampler, numerics = _logps(gap, explained)
+    return band.check(learner, sampler, torch.ones(2, 5) if mask is None else mask, step, numerics_logps=numerics)
+
+
+def _calibrate(band, gap=0.012, explained=0.01, n=3):
+    for step in range(n):
+        r = _eval(band, gap, explained, step)
+        assert r.passed and "logp_gap_limit" not in r.metrics, r.message  # calibrating: no band yet
+    return band
+
+
+def test_logprob_band_healthy_gap_passes_forever_as_numerics_grow_tenfold():
+    band = _band()
+    for step in range(200):  # the policy sharpens: explained gap 0.004 -> 0.04, sampler gap 1.6x of it throughout
+        explained = 0.004 * 10 ** (step / 199)
+        path_reference = band.path_reference
+        r = _eval(band, 1.6 * explained, explained, step)
+        assert r.passed, (step, r.message)
+        assert r.metrics["logp_gap_numerics"] == pytest.approx(explained, rel=1e-5)
+        assert r.metrics["logp_gap_path"] == pytest.approx(0.6 * explained, rel=1e-5)
+        if step >= 3:  # the larger of 2 x the precision term and 3 x the largest path term that passed before
+            assert r.metrics["logp_gap_limit"] == pytest.approx(max(2.0 * explained, 3.0 * path_reference, 0.01),
+                                                                rel=1e-5)
+    assert r.metrics["logp_gap_mean"] == pytest.approx(0.064, rel=1e-5)  # far above log(1.05) and a 0.01 band
+    assert band.over == 0
+
+
+def test_logprob_band_calibrates_the_path_term_then_enforces_it():
+    band = _calibrate(_band())  # |π − ρ| 0.01, |ρ − μ| 0.002
+    assert band.path_reference == pytest.approx(0.002, rel=1e-5) and band.path_evaluations == 3
+    r = _eval(band, 0.019, 0.01, 3)
+    assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(max(2 * 0.01, 3 * 0.002), rel=1e-5)
+    # while calibrating, a wide healthy path (another engine's kernels) passes under the gross ceiling only
+    wide = _band()
+    for step in range(3):
+        assert _eval(wide, 0.09, 0.01, step).passed  # ceiling max(log 1.05, 5 x max(0.01, 2 x 0.01)) = 0.1
+    assert _eval(wide, 0.09, 0.01, 3).metrics["logp_gap_limit"] == pytest.approx(3 * 0.08, rel=1e-5)
+    r = _eval(_band(), 0.11, 0.01, 0)
+    assert not r.passed and "gross ceiling 0.1" in r.message and "path calibrating 0/3" in r.message
+
+
+def test_logprob_band_persistent_fault_fires_on_the_third_evaluation_not_before():
+    band = _calibrate(_band())
+    for step in (3, 4):
+        r = _eval(band, 0.04, 0.01, step)  # band max(2 x 0.01, 3 x 0.002) = 0.02; path 0.03 < its ceiling 0.0488
+        assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.02, rel=1e-5)
+    r = _eval(band, 0.04, 0.01, 5)
+    assert not r.passed
+    assert r.message.startswith(
+        "mean |logπ_learner − logμ_sampler| 0.04 at step 5 (max gap 0.04 at masked token 0); numerics explain "
+        "0.01, the sampler's path adds 0.03: exceeds the band 0.02 (the larger of numerics explain 0.01 × 2 and "
+        "sampler path 0.002 × 3) "
+        "for 3 consecutive evaluations (fails after 3)"), r.message
+    assert not _eval(band, 0.04, 0.01, 6).passed  # and keeps failing while the fault lasts (sync_check_action="warn")
+    assert band.path_reference == pytest.approx(0.002, rel=1e-5)  # failing evaluations calibrate nothing
+
+
+def test_logprob_band_spikes_that_do_not_persist_never_fire():
+    band = _calibrate(_band())
+    for step in range(3, 30):  # two over-band evaluations, then a healthy one, over and over
+        r = _eval(band, 0.045 if step % 3 != 2 else 0.012, 0.01, step)
+        assert r.passed, (step, r.message)
+    assert _eval(band, 0.045, 0.01, 30).passed and _eval(band, 0.045, 0.01, 31).passed
+    assert not _eval(band, 0.045, 0.01, 32).passed  # the third in a row
+
+
+def test_logprob_band_floor_applies_when_numerics_and_path_explain_almost_nothing():
+    band = _calibrate(_band(), 0.0001, 0.0001)  # the sampler computes exactly the reference: path 0
+    r = _eval(band, 0.011, 0.0001, 3)
+    assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.01)  # over (1 of 3): calibrates nothing
+    assert _eval(band, 0.011, 0.0001, 4).passed
+    r = _eval(band, 0.011, 0.0001, 5)
+    assert not r.passed and ("exceeds the band 0.01 (floor 0.01 (the larger of numerics explain 0.0001 × 2 and "
+                             "sampler path 0 × 3 = 0.0002))") in r.message, r.message
+
+
+def test_logprob_band_gross_excess_fires_at_once():
+    band = _calibrate(_band(), 0.01, 0.01)  # path 0: band max(0.01, 2 x 0.01) = 0.02, ceiling 0.1
+    r = _eval(band, 0.11, 0.06, 3)  # path 0.05: over its own ceiling 0.0488 too, but the gap's ceiling is checked first
+    assert not r.passed
+    assert ("0.11 at step 3" in r.message and "exceeds the gross ceiling 0.6 = max(log 1.05, 5 × band 0.12)"
+            not in r.message)
+    band = _calibrate(_band(), 0.01, 0.01)
+    r = _eval(band, 0.11, 0.01, 3)
+    assert not r.passed and "exceeds the gross ceiling 0.1 = max(log 1.05, 5 × band 0.02); band from the larger of " \
+        "numerics explain 0.01 × 2 and sampler path 0 × 3: fails at once" in r.message, r.message
+    assert _eval(_calibrate(_band(), 0.01, 0.01), 0.04, 0.01, 3).passed  # over the band only (1 of 3)
+
+
+def test_logprob_band_a_sudden_path_jump_fails_at_once_under_a_wide_precision_band():
+    band = _calibrate(_band(), 0.102, 0.1)  # precision explains a lot (band 0.2), the path 0.002
+    r = _eval(band, 0.16, 0.1, 3)  # |ρ − μ| 0.06: under the wide band, over the path's ceiling max(0.0488, 0.01)
+    assert not r.passed
+    assert ("the sampler's path term 0.06 exceeds its gross ceiling 0.04879 = max(log 1.05, 5 × calibrated path "
+            "0.002): fails at once") in r.message, r.message
+
+
+def test_logprob_band_unverified_syncs_calibrate_nothing():
+    band = _band()
+    learner, sampler, numerics = _logps(0.05, 0.01)
+    for step in range(3):
+        assert band.check(learner, sampler, torch.ones(2, 5), step, numerics_logps=numerics, verified=False).passed
+    assert band.path_reference is None and band.path_evaluations == 0
+    r = band.check(learner, sampler, torch.ones(2, 5), 3, numerics_logps=numerics, verified=True)
+    assert r.passed and "logp_gap_limit" not in r.metrics and band.path_evaluations == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_logprob_band_non_finite_gap_fires_at_once(bad):
+    learner, sampler, numerics = _logps(0.001, 0.001)
+    sampler[1, 3] = bad
+    r = _band().check(learner, sampler, torch.ones(2, 5), 6, numerics_logps=numerics)
+    assert not r.passed and "step 6" in r.message
+    assert r.message.startswith("non-finite mean |logπ_learner − logμ_sampler|")
+    mask = torch.ones(2, 5)
+    mask[1, 3] = 0  # the same token masked out: it does not count
+    assert _band().check(learner, sampler, mask, 6, numerics_logps=numerics).passed
+
+
+def test_logprob_band_without_numerics_calibrates_then_follows_the_largest_passing_gap():
+    band = _band()
+    for step, gap in enumerate((0.004, 0.006, 0.005)):  # calibrating: no band yet
+        r = _eval(band, gap, None, step)
+        assert r.passed and "logp_gap_limit" not in r.metrics and "logp_gap_numerics" not in r.metrics
+    r = _eval(band, 0.017, None, 3)  # band max(3 x 0.006, 0.01) = 0.018
+    assert r.passed and r.metrics["logp_gap_limit"] == pytest.approx(0.018)
+    assert _eval(band, 0.04, None, 4).metrics["logp_gap_limit"] == pytest.approx(0.051)  # 3 x 0.017: grows with the run
+    for step in (5, 6):
+        assert _eval(band, 0.06, None, step).passed  # under the band 3 x 0.04 = 0.12: passes and raises the reference
+    assert band.reference == pytest.approx(0.06)
+    for step in (7, 8):
+        assert _eval(band, 0.2, None, step).passed  # over the band 0.18, under the ceiling 0.9
+    r = _eval(band, 0.2, None, 9)
+    assert not r.passed and ("exceeds the band 0.18 (no numerics logprobs: largest passing gap 0.06 × 3) for 3 "
+                             "consecutive evaluations" in r.message)
+    r = _eval(_band(), 0.06, None, 0)  # the gross ceiling holds while calibrating: max(log 1.05, 5 x floor)
+    assert not r.passed and "gross ceiling 0.05 = max(log 1.05, 5 × band 0.01); band from the floor 0.01 (no " \
+        "numerics logprobs; fallback calibrating 0/3): fails at once" in r.message
+
+
+def test_logprob_band_metrics_keys_and_masked_tokens_only():
+    band = _calibrate(_band())
+    r = _eval(band, 0.012, 0.01, 3)
+    ratio = math.exp(0.012)
+    assert r.metrics == pytest.approx({
+        "logp_gap_mean": 0.012, "logp_gap_max": 0.012, "logp_gap_numerics": 0.01, "logp_gap_path": 0.002,
+        "logp_gap_limit": 0.02, "logp_over_band_frac": 0.0, "is_ratio_token_min": ratio,
+        "is_ratio_token_mean": ratio, "is_ratio_token_max": ratio, "is_ratio_seq_min": ratio ** 5,
+        "is_ratio_seq_mean": ratio ** 5, "is_ratio_seq_max": ratio ** 5}, rel=1e-5)
+    assert not {"logp_gap_limit", "logp_gap_numerics"} & set(_eval(_band(), 0.012, None, 0).metrics)
+    learner, sampler, numerics = _logps(0.0, 0.0)
+    sampler[0, 0] -= 0.004
+    sampler[1] -= 5.0  # a masked-out row far off
+    numerics[1] -= 7.0
+    mask = torch.ones(2, 5)
+    mask[1] = 0
+    r = _band().check(learner, sampler, mask, 0, numerics_logps=numerics)
+    assert r.passed and r.metrics["logp_gap_mean"] == pytest.approx(0.0008) and r.metrics["logp_gap_max"] == \
+        pytest.approx(0.004) and r.metrics["logp_gap_path"] == pytest.approx(0.0008)
+    assert r.metrics["is_ratio_seq_max"] == pytest.approx(math.exp(0.004), rel=1e-5)  # the masked row is left out
+    assert _band().check(learner, sampler, torch.zeros(2, 5), 0, numerics_logps=numerics).metrics == {}
+
+
+def test_over_band_fraction_counts_tokens_above_the_band_to_one_bin():
+    deltas = torch.tensor([0.0, 1e-6, 0.001, 0.009, 0.011, 0.02, 0.5, 3.0])
+    stats = {"hist": C.delta_histogram(deltas), "count": len(deltas)}
+    assert sum(stats["hist"]) == len(deltas)
+    assert C.over_fraction(stats, 0.01) == pytest.approx(4 / 8)  # 0.011, 0.02, 0.5, 3.0
+    assert C.over_fraction(stats, 0.6) == pytest.approx(1 / 8)
+    assert C.over_fraction(stats, 1e-7) == pytest.approx(6 / 8)  # everything at or above 1e-5's bin, not 0 and 1e-6
+    assert C.over_fraction({"hist": [], "count": 0}, 0.01) == 0.0
+
+
+def test_cache_hygiene():
+    assert C.cache_hygiene(3, True, 0).passed
+    assert C.cache_hygiene(3, None, None).passed and C.cache_hygiene(3, None, None).applicable
+    unobservable = C.cache_hygiene(3, None, None, observable=False)  # a server: nothing can be observed
+    assert not unobservable.applicable and "cannot be observed" in unobservable.message
+    assert not C.cache_hygiene(3, None, 2, observable=False).passed  # what can be seen still counts
+    r = C.cache_hygiene(3, True, 2)
+    assert not r.passed and "2 prefix-cache block(s)" in r.message and "step 3" in r.message
+    assert "refused to reset" in C.cache_hygiene(3, False, 0).message
+
+
+def test_logprob_band_measures_the_reference_every_nth_evaluation_and_holds_it_between():
+    band = _band(reference_every=4)
+    assert band.reference_due()
+    _calibrate(band)  # evaluations 0..2 measure ρ
+    due = []
+    for step in range(3, 11):
+        due.append(band.reference_due())
+        if due[-1]:
+            r = _eval(band, 0.012, 0.01, step)
+        else:  # no ρ: judged on every token against the held precision term and the calibrated path term
+            r = _eval(band, 0.012, None, step)
+            assert r.metrics["logp_gap_numerics_held"] == pytest.approx(0.01, rel=1e-5)
+            assert r.metrics["logp_gap_limit"] == pytest.approx(max(2 * 0.01, 3 * 0.002), rel=1e-5)
+        assert r.passed
+    assert due == [False, False, False, True, False, False, False, True]
+    r = _eval(band, 0.04, None, 11)  # a fault between two measurements: over the held band ...
+    assert r.passed and band.over == 0 and band.reference_due()  # ... fails nothing yet: ρ is measured next
+    for step in (12, 13):
+        assert _eval(band, 0.04, 0.01, step).passed and band.reference_due()  # measured, over the band: 1, 2 of 3
+    r = _eval(band, 0.04, 0.01, 14)
+    assert not r.passed and "for 3 consecutive evaluations" in r.message
+    healthy = _calibrate(_band(reference_every=4))
+    assert _eval(healthy, 0.03, None, 3).passed and healthy.reference_due()  # a held band too tight for this batch
+    assert _eval(healthy, 0.03, 0.02, 4).passed and not healthy.reference_due()  # measured: within 2 x 0.02

@@ -1,0 +1,50 @@
+"""The in-process sampler's logprobs recorded during generate() equal a forward pass over the result."""
+
+import math
+
+import torch
+from transformers import LogitsProcessorList
+
+from trl_fp8.sync_checks.logprobs import SampledLogprobTap
+
+
+def test_tap_records_the_logprob_of_every_sampled_token(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    tap = SampledLogprobTap(temperature=0.7)
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=0.7,
+                             top_k=0, top_p=1.0, max_new_tokens=9, logits_processor=LogitsProcessorList([tap]),
+                             eos_token_id=None, pad_token_id=0)
+    completions = out[:, 4:].tolist()
+    completions[1] = completions[1][:5]  # as if row 1 had stopped at its EOS after 5 tokens
+    recorded = tap.per_row(completions)
+    assert [len(r) for r in recorded] == [9, 5]
+    with torch.no_grad():
+        logits = model(out).logits[:, 3:-1].float() / 0.7
+    expected = torch.log_softmax(logits, -1).gather(2, out[:, 4:, None]).squeeze(2)
+    torch.testing.assert_close(torch.tensor(recorded[0]), expected[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(recorded[1]), expected[1, :5], rtol=0, atol=1e-5)
+
+
+def test_tap_without_a_generation_gives_empty_rows():
+    assert SampledLogprobTap().per_row([[1, 2], []]) == [[], []]
+
+
+def test_tap_rejects_a_bad_temperature():
+    import pytest
+
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        SampledLogprobTap(0.0)
+
+
+def test_tap_table_is_the_rows_padded_with_zeros():
+    tap = SampledLogprobTap()
+    tap(torch.tensor([[5], [5]]), torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]])))
+    tap(torch.tensor([[5, 2], [5, 0]]), torch.log(torch.tensor([[0.2, 0.2, 0.6], [0.3, 0.3, 0.4]])))
+    table = tap.table([[2, 1], [0]])  # the second row stopped after its first token
+    assert table.shape == (2, 2)
+    assert torch.allclose(table, torch.tensor([[math.log(0.25), math.log(0.2)], [math.log(0.1), 0.0]]), atol=1e-6)

@@ -1,0 +1,243 @@
+"""The time budget in a real CPU GRPO run on the demo model, with a fake clock: the budget runs out mid-run, a complete
+checkpoint is written and training stops cleanly before max_steps; a SIGTERM takes the same path; the time used
+accumulates across a resume. No test reads a real clock's value."""
+
+import json
+import logging
+import os
+import signal
+
+import pytest
+from transformers import TrainerCallback
+
+from trl_fp8 import GRPOConfig, GRPOTrainer
+from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+
+STEP_S, SAVE_S = 10.0, 5.0  # fake seconds each optimizer step / each save takes
+# With time_budget=100, margin 0 and the save prior of 5% (5 s): go on while 10k + 1.25 * (10 + 5) < 100 -> stop at 9.
+STOP_STEP = 9
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+                    "time_budget_state.pt")
+
+
+class FakeClock:
+    def __init__(self, now=0.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+class Tick(TrainerCallback):
+    """Advances the fake clock: each step takes STEP_S."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.clock.now += STEP_S
+
+
+class SigtermAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _trainer(demo_dir, output_dir, callbacks=(), clock=None, **overrides):
+    kwargs = dict(
+        output_dir=str(output_dir), use_cpu=True, bf16=False, max_steps=20, learning_rate=1e-3,
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=3,
+        time_budget=100, time_budget_margin=0,
+    )
+    kwargs.update(overrides)
+    trainer = GRPOTrainer(model=demo_dir, reward_funcs=[correctness_reward, format_reward], args=GRPOConfig(**kwargs),
+                          train_dataset=make_arithmetic_dataset(200, seed=5), callbacks=list(callbacks))
+    budget = trainer.capability("time_budget")
+    if clock is not None and budget is not None:
+        budget.clock, budget.session_start = clock, 0.0
+        save_model = trainer.save_model
+
+        def slow_save_model(*args, **kwargs):  # writing the model takes SAVE_S (fake) seconds
+            clock.now += SAVE_S
+            return save_model(*args, **kwargs)
+
+        trainer.save_model = slow_save_model
+    return trainer
+
+
+def _state(checkpoint):
+    import torch
+
+    return torch.load(os.path.join(checkpoint, "time_budget_state.pt"), weights_only=True)
+
+
+def _assert_complete(checkpoint, step):
+    missing = [f for f in CHECKPOINT_FILES if not os.path.isfile(os.path.join(checkpoint, f))]
+    assert not missing, missing
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        assert json.load(f)["global_step"] == step
+
+
+def _metric(trainer, name, after_step=0):
+    """A metric's logged values (after ``after_step``: a resumed history starts with the checkpoint's records)."""
+    return [rec[name] for rec in trainer.state.log_history if name in rec and rec["step"] > after_step]
+
+
+@pytest.fixture
+def sigterm_guard():
+    """A recording SIGTERM handler for the test's duration: a SIGTERM that escapes the budget's hook is recorded
+    instead of killing pytest."""
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_budget_runs_out_mid_run_saves_a_complete_checkpoint_and_stops(tmp_path, demo_dir, caplog, sigterm_guard):
+    clock = FakeClock()
+    trainer = _trainer(demo_dir, tmp_path / "out", [Tick(clock)], clock)  # save_strategy="no": saved anyway
+    with caplog.at_level(logging.INFO, logger="trl_fp8.time_budget"):
+        output = trainer.train()
+    assert trainer.state.global_step == STOP_STEP < trainer.args.max_steps
+    assert output.global_step == STOP_STEP and "train_runtime" in trainer.state.log_history[-1]  # a normal end
+    assert [d for d in os.listdir(tmp_path / "out") if d.startswith("checkpoint-")] == [f"checkpoint-{STOP_STEP}"]
+    checkpoint = str(tmp_path / "out" / f"checkpoint-{STOP_STEP}")
+    _assert_complete(checkpoint, STOP_STEP)
+    state = _state(checkpoint)
+    assert (state["elapsed_s"], state["session_s"], state["sessions"]) == (95.0, 95.0, 1)  # written after the model
+    assert state["saves_s"] == [SAVE_S]  # this save so far (the model is written): for the next session's planner
+    assert _metric(trainer, "budget/elapsed_s")[:STOP_STEP] == [STEP_S * k for k in range(1, STOP_STEP + 1)]
+    assert _metric(trainer, "budget/remaining_s")[STOP_STEP - 1] == 10.0
+    assert _metric(trainer, "budget/save_s") == [SAVE_S]  # measured from the step end to on_save
+    stops = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(stops) == 1 and f"checkpoint-{STOP_STEP} (step {STOP_STEP} of 20) and stopping" in stops[0]
+    assert "time budget 1m40s (session): 1m30s used" in stops[0]
+    assert sigterm_guard == [] and signal.getsignal(signal.SIGTERM) != trainer.capability("time_budget").sigterm.handle
+
+
+def test_sigterm_saves_a_complete_checkpoint_and_stops(tmp_path, demo_dir, caplog, sigterm_guard):
+    trainer = _trainer(demo_dir, tmp_path / "out", [SigtermAt(3)], time_budget="10h")  # real clock: far from it
+    with caplog.at_level(logging.WARNING, logger="trl_fp8.time_budget"):
+        trainer.train()
+    assert trainer.state.global_step == 3
+    _assert_complete(str(tmp_path / "out" / "checkpoint-3"), 3)
+    assert sigterm_guard == []  # the hook took it...
+    assert [r.getMessage() for r in caplog.records][0].startswith("trl_fp8: SIGTERM received; saving")
+    handler = signal.getsignal(signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # ... and after train() the previous handler is back
+    assert sigterm_guard == [signal.SIGTERM] and handler is not None
+
+
+def test_elapsed_time_accumulates_across_a_resume(tmp_path, demo_dir, sigterm_guard):
+    out = tmp_path / "out"
+    clock = FakeClock()
+    _trainer(demo_dir, out, [Tick(clock)], clock).train()
+
+    clock = FakeClock()  # a new session: its clock starts again
+    second = _trainer(demo_dir, out, [Tick(clock)], clock)
+    second.capability("time_budget").token = "another process"
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 2 * STOP_STEP  # the session budget applies anew
+    checkpoint = str(out / f"checkpoint-{2 * STOP_STEP}")
+    _assert_complete(checkpoint, 2 * STOP_STEP)
+    state = _state(checkpoint)
+    assert (state["elapsed_s"], state["session_s"], state["sessions"]) == (190.0, 95.0, 2)
+    assert state["saves_s"] == [SAVE_S, SAVE_S]  # the first session's save, then this one
+    assert _metric(second, "budget/elapsed_s", STOP_STEP)[0] == 95.0 + STEP_S
+    assert _metric(second, "budget/session_s", STOP_STEP)[0] == STEP_S
+
+    clock = FakeClock()
+    third = _trainer(demo_dir, out, [Tick(clock)], clock, time_budget=200, time_budget_scope="total")
+    third.capability("time_budget").token = "a third process"
+    third.train(resume_from_checkpoint=True)  # 190 s of 200 s used: one step (200 s), then save and stop
+    assert third.state.global_step == 2 * STOP_STEP + 1
+    state = _state(str(out / f"checkpoint-{2 * STOP_STEP + 1}"))
+    assert (state["elapsed_s"], state["sessions"], state["saves_s"]) == (205.0, 3, [SAVE_S] * 3)
+
+
+def test_resume_from_a_checkpoint_written_without_a_budget(tmp_path, demo_dir, sigterm_guard):
+    out = tmp_path / "out"
+    _trainer(demo_dir, out, max_steps=2, save_strategy="steps", save_steps=2, time_budget=None).train()
+    assert not os.path.exists(out / "checkpoint-2" / "time_budget_state.pt")
+    clock = FakeClock()
+    resumed = _trainer(demo_dir, out, [Tick(clock)], clock, max_steps=3)
+    resumed.train(resume_from_checkpoint=True)  # nothing to restore: none used before this session
+    assert resumed.state.global_step == 3
+    assert _metric(resumed, "budget/elapsed_s", 2) == [STEP_S]
+
+
+# -- SIGTERM in the middle of a step: stopped at the next boundary, the last complete step saved ------------------
+class SigtermInGeneration:
+    """SIGTERM at the ``call``-th forward of the generation of step ``step + 1``; counts the forwards after it."""
+
+    def __init__(self, trainer, step=2, call=3):
+        self.trainer, self.step, self.call = trainer, step, call
+        self.calls = self.after = 0
+        self.sent = False
+        self.handle = trainer.model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if self.trainer.state.global_step != self.step:
+            return
+        self.calls += 1
+        if self.sent:
+            self.after += 1
+        elif self.calls == self.call:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SigtermAtStepBegin(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_mid_generation_saves_the_last_complete_step_at_once(tmp_path, demo_dir, caplog, sigterm_guard):
+    trainer = _trainer(demo_dir, tmp_path / "out", time_budget="10h", max_steps=5, max_completion_length=16)
+    spy = SigtermInGeneration(trainer)
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        output = trainer.train()
+    spy.handle.remove()
+    assert spy.sent and spy.after == 0  # the generation in flight ended at the decoding step the signal came in
+    assert trainer.state.global_step == 2 and output.global_step == 2  # step 3 never reached its optimizer step
+    assert output.metrics == {"stopped_in_step": 3}
+    assert [d for d in os.listdir(tmp_path / "out") if d.startswith("checkpoint-")] == ["checkpoint-2"]
+    _assert_complete(str(tmp_path / "out" / "checkpoint-2"), 2)
+    assert not os.path.exists(tmp_path / "out" / "checkpoint-2" / "grpo_generation_state.pt")  # at a boundary
+    assert "the step in flight (3) was stopped at a micro-batch/generation boundary; saved" in caplog.text
+    assert trainer.capability("time_budget").callback.stopping == "SIGTERM"
+    assert sigterm_guard == [] and signal.getsignal(signal.SIGTERM) != trainer.capability("time_budget").sigterm.handle
+    resumed = _trainer(demo_dir, tmp_path / "out", time_budget="10h", max_steps=5, max_completion_length=16)
+    resumed.train(resume_from_checkpoint="auto")
+    assert resumed.state.global_step == 5
+
+
+def test_sigterm_between_micro_batches_of_a_generation_keeps_that_steps_buffer(tmp_path, demo_dir, sigterm_guard):
+    """steps_per_generation=2 (one generation feeds two optimizer steps): stopped at step 4's first micro-batch, the
+    checkpoint of step 3 holds the buffer as it was at step 3's end — the run resumes as it would have gone on."""
+    common = dict(time_budget="10h", max_steps=6, steps_per_generation=2)
+    straight = _trainer(demo_dir, tmp_path / "straight", **common)
+    straight.train()
+    cut = _trainer(demo_dir, tmp_path / "cut", [SigtermAtStepBegin(3)], **common)
+    output = cut.train()
+    assert cut.state.global_step == 3 and output.metrics == {"stopped_in_step": 4}
+    checkpoint = str(tmp_path / "cut" / "checkpoint-3")
+    _assert_complete(checkpoint, 3)
+    assert os.path.isfile(os.path.join(checkpoint, "grpo_generation_state.pt"))  # between two generations
+    resumed = _trainer(demo_dir, tmp_path / "cut", **common)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    import torch
+
+    same = [torch.equal(p, q) for p, q in zip(straight.model.parameters(), resumed.model.parameters())]
+    assert resumed.state.global_step == 6 and all(same)  # step 4 trained on the buffer it would have had

@@ -1,0 +1,212 @@
+"""The lifecycle every trl_fp8 capability follows, and the hooks the trainer calls at fixed points.
+
+A capability is one object in its own package (Fair Cast, MXFP8, the weight-sync checks, DUET, ...) that owns its
+state and its touch points. :class:`trl_fp8.GRPOTrainer` holds the ordered list of those a run asks for and calls
+them; every hook has a do-nothing default, so a capability implements only what it contributes:
+
+- config: ``Args`` (a dataclass mixin of its ``GRPOConfig`` fields) and ``validate(args)`` (config time: a
+  ``ValueError`` naming the field and what is allowed); ``wanted(args)``: whether a run asks for it;
+- ``setup(trainer)``: once, in list order, after TRL's own ``__init__``; returns False when, on this run, the
+  capability has nothing to do (it is then dropped, having said why);
+- generation (the in-process path): ``generating(trainer)`` (a context around each generation call),
+  ``logits_processors(trainer)`` / ``after_generation(trainer, completion_ids)``; the sampler it owns, for the
+  checks: ``rollout_sampler(trainer)`` (one no sync feeds) and ``sampler_numerics(trainer)`` (how that sampler
+  computes, from the learner's weights);
+- batch and loss: ``adjust_rewards(trainer, rewards)``, ``adjust_batch(trainer, output)``,
+  ``on_policy_logps(trainer, inputs, logps)`` (the loss forward's per-token logprobs);
+- tensors: ``describe(model)`` (the :class:`~trl_fp8.numerics.TensorSpec` of each tensor it changes the numerics
+  of, read from the modules);
+- checkpoints: ``state_dict()`` / ``load_state_dict(state)``, stored in the checkpoint as ``state_file`` (a resume
+  restores it exactly; ``state_required = False``: a checkpoint without it starts the capability afresh), and
+  ``resume_fields``: the config fields that shape its state, which a resume must match (see
+  :mod:`trl_fp8.checkpoints`);
+- metrics: recorded with :func:`trl_fp8._trl.record_metric` into TRL's own per-mode metrics;
+- many processes: ``engines`` (per engine, None: supported, or why it is refused) and ``off_hint`` (the setting that
+  turns it off), applied at config time and at trainer start by :func:`trl_fp8.distributed.admit`.
+
+Where capabilities meet is declared data, read in one place (:mod:`trl_fp8.composition`), not code in the trainer:
+
+- ``after``: the capabilities whose set-up this one builds on; the set-up order is derived from it (and a cycle or an
+  unknown name is an error at import);
+- ``conflicts``: the settings it cannot run with (:class:`Conflict`: a field and why), and ``excludes``: the other
+  capabilities it cannot run with — checked once, when a ``GRPOConfig`` is built, naming both sides;
+- ``serving(trainer)``, ``generation_model(trainer)`` and ``engine_context(args)`` offer what replaces TRL's sync
+  stream, the in-process generation model and the vLLM engine's build context; ``overrides`` names the capabilities
+  whose offer this one's replaces when both offer (two offers without a declared winner are an error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def check_choice(field_name: str, value, allowed) -> None:
+    """Raise a ``ValueError`` naming ``field_name`` and the allowed values unless ``value`` is one of them."""
+    if value not in allowed:
+        allowed_text = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{field_name}={value!r} is not valid; allowed values: {allowed_text}.")
+
+
+def check_int(field_name: str, value, minimum: int, allow_none: bool = False) -> None:
+    """Raise a ``ValueError`` naming ``field_name`` unless ``value`` is an integer >= ``minimum`` (or None)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        extra = " or None" if allow_none else ""
+        raise ValueError(f"{field_name} must be an integer >= {minimum}{extra}, got {value!r}.")
+
+
+def check_fraction(field_name: str, value) -> None:
+    """Raise a ``ValueError`` naming ``field_name`` unless ``0 < value <= 1``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{field_name} must be in (0, 1], got {value!r}.")
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A ``GRPOConfig`` setting a capability cannot run with: ``field`` set (truthy), optionally only ``when`` the
+    capability's own settings say so (e.g. ``fast_qlora='on'``, not ``'auto'``); ``why`` completes the error."""
+
+    field: str
+    why: str
+    when: Callable | None = None
+
+
+@dataclass
+class Serving:
+    """What a capability serves to the sampler in place of TRL's stream of the learner's parameters."""
+
+    stream: object  # () -> iterable of (learner name, tensor in ``dtype``)
+    dtype: torch.dtype
+    sampler: object = None  # the in-process sampler it writes to (None with vLLM: TRL's sync sends the stream)
+
+
+class StopNow(Exception):
+    """Raised by the trainer when a capability's :meth:`Capability.stop_now` asks to stop the step in flight."""
+
+
+class Capability:
+    name: str = ""
+    Args: type | None = None  # the GRPOConfig fields of this capability (a dataclass mixin)
+    state_file: str | None = None  # file in a checkpoint folder holding state_dict(), if it has state
+    state_required: bool = True  # False: resuming from a checkpoint without state_file starts it afresh
+    resume_fields: tuple[str, ...] = ()  # config fields a resumed run must share with the checkpoint
+    # Many processes: "ddp" / "deepspeed" / "fsdp" -> None (supported) or why it is refused (a dict per ZeRO stage /
+    # FSDP version where they differ); an engine left out is refused. One process is always supported.
+    engines: dict = {}
+    off_hint: str = ""  # the setting that turns the capability off, for refusals (e.g. "fair_cast='off'")
+    soft_default = None  # (args) -> truthy when on by default and not asked for: refused, it says so and stays off
+    # Composition (see the module docstring): read by trl_fp8.composition, never by the trainer directly.
+    after: tuple[str, ...] = ()  # capabilities whose set-up this one builds on
+    conflicts: tuple[Conflict, ...] = ()  # settings it cannot run with
+    excludes: dict[str, str] = {}  # other capability -> why the two cannot run together
+    overrides: tuple[str, ...] = ()  # capabilities whose serving / generation model this one's replaces
+
+    @classmethod
+    def asked(cls, args) -> str:
+        """How the run asked for it, for messages (e.g. ``fair_cast='stochastic'``)."""
+        return f"{cls.name}={getattr(args, cls.name, None)!r}"
+
+    @classmethod
+    def engine_context(cls, args):
+        """A context manager TRL's vLLM engine is built in (config time, before any capability exists), or None."""
+        return None
+
+    @classmethod
+    def wanted(cls, args) -> bool:
+        return False
+
+    @classmethod
+    def adapt_precision(cls, args, resolved: str) -> str | None:
+        """Config time, after ``precision`` resolved to ``"bf16"`` / ``"fp16"`` / ``"fp32"``: adjust this capability's
+        own fields to it; a note for the precision log line (what was changed), or None."""
+        return None
+
+    @staticmethod
+    def validate(args) -> None:
+        """Config-time validation of this capability's fields (and its combinations with TRL's)."""
+
+    def setup(self, trainer) -> bool:
+        return True
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def generating(self, trainer):
+        return contextlib.nullcontext()
+
+    def logits_processors(self, trainer) -> list:
+        return []
+
+    def stopping_criteria(self, trainer) -> list:
+        """Extra ``StoppingCriteria`` for the in-process generation (transformers' ``generate``)."""
+        return []
+
+    def after_generation(self, trainer, completion_ids) -> None:
+        pass
+
+    def stop_now(self, trainer) -> bool:
+        """Asked on every process at the same points — each micro-batch's start and right after each generation —
+        so it may run a collective: True stops the optimizer step in flight (:class:`StopNow`); the trainer then
+        saves the last complete step's checkpoint and ``train()`` returns."""
+        return False
+
+    def serving(self, trainer) -> Serving | None:
+        """What to send the sampler instead of TRL's stream of the learner's parameters, or None."""
+        return None
+
+    def generation_model(self, trainer):
+        """The in-process model to generate with instead of the learner (synced for this step), or None."""
+        return None
+
+    def generation_path(self, trainer):
+        """A function replacing the in-process generation call — ``(prompt_ids, images, multimodal_fields,
+        num_generations, model) -> (completion_ids, logprobs)`` — or None (TRL's path, with the hooks above)."""
+        return None
+
+    def vllm_generate(self, trainer):
+        """A function answering TRL's colocated vLLM engine call (after TRL's own sync), or None."""
+        return None
+
+    # -- the sampler it owns, for the weight-sync checks --------------------------------------------------------
+    def rollout_sampler(self, trainer):
+        """A separate in-process sampler this capability generates with that no sync feeds (e.g. fast QLoRA's
+        rollout cache), as a :class:`trl_fp8.samplers.Sampler` with ``synced = False``; None: it has none."""
+        return None
+
+    def sampler_numerics(self, trainer):
+        """For the logprob check: a context manager yielding the model that computes *the way this capability's
+        sampler computes, from the learner's current weights* (the reference ρ of
+        :class:`trl_fp8.sync_checks.checks.LogprobBand`); None when the rollouts do not come from a sampler it owns."""
+        return None
+
+    # -- batch and loss ------------------------------------------------------------------------------------------
+    def adjust_rewards(self, trainer, rewards: torch.Tensor) -> torch.Tensor:
+        return rewards
+
+    def adjust_batch(self, trainer, output: dict) -> dict:
+        return output
+
+    def on_policy_logps(self, trainer, inputs: dict, logps: torch.Tensor) -> None:
+        pass
+
+    # -- tensors and state ---------------------------------------------------------------------------------------
+    def describe(self, model: torch.nn.Module) -> dict:
+        return {}
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def save_process_files(self, trainer, folder: str) -> None:
+        """Files *every* process writes into the checkpoint being staged in ``folder`` (e.g. per-rank shard state),
+        before its completion marker; ``state_dict`` is written by the main process only."""
+
+    def load_process_files(self, trainer, folder: str) -> None:
+        """On every process, after ``load_state_dict``: ``folder`` is the checkpoint being resumed, where the files of
+        :meth:`save_process_files` are read from (never from where the checkpoint was first written: it may have
+        been moved)."""

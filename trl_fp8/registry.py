@@ -1,0 +1,34 @@
+"""The capability list: what :class:`trl_fp8.GRPOTrainer` composes and what :class:`trl_fp8.GRPOConfig` takes its
+fields from. A new capability is a package plus one entry here.
+
+The set-up order is derived from what each declares it builds on (``after``; :func:`trl_fp8.composition.setup_order`):
+MXFP8 and fast QLoRA change the policy's layers before Fair Cast copies it into its served twin; the weight-sync checks
+observe the samplers the others set up and compare logprobs on the batches DUET adjusted. Otherwise the order below.
+"""
+
+from .time_budget.component import TimeBudget
+from .composition import setup_order
+from .distributed import Engine, refusal
+from .duet.component import Duet
+from .fair_cast.component import FairCast
+from .mxfp8.component import MXFP8
+from .fast_qlora.component import FastQLoRA
+from .sync_checks.component import SyncChecks
+
+CAPABILITIES = setup_order((MXFP8, FastQLoRA, FairCast, Duet, SyncChecks, TimeBudget))
+
+
+def support_table(capabilities=CAPABILITIES) -> list[tuple[str, dict[str, str]]]:
+    """Per capability, per engine column: ``"supported"`` or ``"refused: <why>"`` (the README's "Many processes"
+    table), from each capability's own engine rules (:func:`trl_fp8.distributed.refusal`)."""
+    columns = [("one process", Engine("single")), ("DDP", Engine("ddp", 2)),
+               ("ZeRO-1/2", Engine("deepspeed", 2, 2)), ("ZeRO-3", Engine("deepspeed", 2, 3)),
+               ("FSDP1", Engine("fsdp", 2, fsdp_version=1)), ("FSDP2", Engine("fsdp", 2, fsdp_version=2))]
+    rows = []
+    for cap in capabilities:
+        row = {}
+        for title, engine in columns:
+            reason = refusal(cap, engine)
+            row[title] = "supported" if reason is None else f"refused: {reason}"
+        rows.append((cap.name, row))
+    return rows

@@ -1,0 +1,497 @@
+"""The seven weight-sync checks as pure functions (PyTorch only, no TRL).
+
+Each check compares what the learner meant the sampler to serve with what the sampler actually serves, and
+returns a :class:`CheckResult`. A failed result names the check, the tensor or layer, and the numbers; the
+:class:`~trl_fp8.sync_checks.monitor.SyncMonitor` turns it into a :class:`WeightSyncError` (or a warning).
+
+Terms: *sent* tensors are what the sync streamed (learner names); a *sampler* exposes ``read(name)`` (the
+tensor it computes with, sliced out of fused layers), ``version()``, ``cached_blocks()``, ``recipe()`` and
+``alias_reads()`` (see :mod:`trl_fp8.samplers`). A check with nothing to compare returns a result that is
+*not applicable* (``applicable=False``): neither a pass nor a failure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+CHECKS = (
+    "recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement", "differential_oracle",
+    "cache_hygiene",
+)
+# Cheap enough to leave on every step in production (the differential oracle reloads the weights several times).
+DEFAULT_CHECKS = tuple(c for c in CHECKS if c != "differential_oracle")
+RECIPE_FIELDS = ("dtype", "format", "block_size", "scale_dtype", "scale_rounding", "excluded", "kernel", "cast")
+# logprob agreement (see LogprobBand): the gap the sampler's precision explains is measured on every evaluated batch
+LOGPROB_BAND_FACTOR = 3.0  # the mean gap may be this multiple of the gap the sampler's precision explains ...
+LOGPROB_BAND_FLOOR = 0.01  # ... or this absolute floor, whichever is larger (per-token noise is real)
+LOGPROB_PERSISTENCE = 3  # an over-band gap fails on this many consecutive evaluations (one spike does not)
+LOGPROB_GROSS_FACTOR = 10.0  # a mean gap over max(log(LOGPROB_MAX_RATIO), this × band) fails at once ...
+LOGPROB_MAX_RATIO = 1.05  # ... (the gross ceiling never drops below exp(mean gap) = this)
+LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
+LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
+LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (decoding, kernels) may reach this multiple of its calibration
+LOGPROB_REFERENCE_EVERY = 8  # after calibration, ρ is measured on every 8th evaluation; between, its terms are held
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-sync check failed: the sampler does not serve what the learner trains."""
+
+    def __init__(self, check: str, message: str):
+        super().__init__(f"[{check}] {message}")
+        self.check = check
+
+
+class WeightSyncWarning(UserWarning):
+    """A weight-sync check failed with ``sync_check_action="warn"``."""
+
+
+@dataclass
+class CheckResult:
+    check: str
+    passed: bool
+    message: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    applicable: bool = True  # False: the check had nothing to compare (``message`` says why)
+
+
+def resolve_checks(value) -> tuple[str, ...]:
+    """``"default"`` / ``"all"`` / ``"off"`` or a list of check names -> the tuple of checks to run."""
+    if isinstance(value, str):
+        presets = {"default": DEFAULT_CHECKS, "all": CHECKS, "off": ()}
+        if value in presets:
+            return presets[value]
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    names = list(value)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise ValueError(
+            f"sync_checks: unknown check(s) {', '.join(map(repr, unknown))}; known checks: {', '.join(CHECKS)} "
+            "(or one of 'default', 'all', 'off')."
+        )
+    return tuple(c for c in CHECKS if c in names)
+
+
+def _describe_diff(expected: torch.Tensor, actual: torch.Tensor) -> str:
+    e, a = expected.float(), actual.float()
+    differ = ~((e == a) | (torch.isnan(e) & torch.isnan(a)))
+    n = int(differ.sum())
+    delta = (e - a).abs()[differ]
+    worst = delta.max().item() if delta.numel() else float("nan")
+    return f"{n} of {e.numel()} elements differ (max |Δ| {worst:.4g})"
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaNs with equal payloads count as equal)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point:
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[a.element_size()]
+        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    return torch.equal(a, b)
+
+
+# -- 1. recipe parity ---------------------------------------------------------------------------------------------
+def recipe_parity(learner: dict, sampler: dict) -> CheckResult:
+    """Per-tensor recipe (dtype, quantization format, block, scale dtype and rounding, exclusion, kernel, the
+    cast the sampler applies on load) equal on both sides."""
+    problems = []
+    for name in sorted(set(learner) | set(sampler)):
+        if name not in sampler:
+            problems.append(f"'{name}': in the learner's recipe but not served")
+            continue
+        if name not in learner:
+            problems.append(f"'{name}': served but not in the learner's recipe")
+            continue
+        for key in RECIPE_FIELDS:
+            lv, sv = getattr(learner[name], key), getattr(sampler[name], key)
+            if lv != sv:
+                problems.append(f"'{name}': {key} learner={lv!r} sampler={sv!r}")
+    if problems:
+        return CheckResult("recipe_parity", False, f"{len(problems)} mismatch(es): " + "; ".join(problems[:5]))
+    return CheckResult("recipe_parity", True)
+
+
+# -- 2. coverage --------------------------------------------------------------------------------------------------
+def coverage(sent: dict[str, int], expected: dict[str, tuple], sampler_targets: dict[str, list[str]],
+             sent_shapes: dict[str, tuple], sampler_shapes: dict[str, tuple]) -> CheckResult:
+    """Every served tensor written exactly once, with the right shape.
+
+    ``sent``: learner name -> times streamed. ``expected``: learner name -> shape the learner serves.
+    ``sampler_targets``: sampler target (a parameter, or a shard of a fused one) -> the learner names that map
+    to it (an empty list: nothing maps there). ``*_shapes``: per learner name.
+    """
+    missing = sorted(n for n in expected if sent.get(n, 0) == 0)
+    duplicate = sorted(n for n, c in sent.items() if c > 1)
+    unknown = sorted(n for n in sent if n not in expected)
+    unwritten = sorted(t for t, names in sampler_targets.items() if not any(sent.get(n, 0) for n in names))
+    shape = sorted(
+        f"'{n}' sent {tuple(sent_shapes[n])} served {tuple(sampler_shapes[n])}"
+        for n in sent_shapes if n in sampler_shapes and tuple(sent_shapes[n]) != tuple(sampler_shapes[n])
+    )
+    unmapped = sorted(n for n in sent if n in expected and n not in sampler_shapes)
+    metrics = {"missing": len(missing), "duplicate": len(duplicate)}
+    problems = []
+    for label, items in (("not sent", missing), ("sent more than once", duplicate), ("sent but not served", unknown),
+                         ("served but never written", unwritten), ("shape mismatch", shape),
+                         ("no served counterpart", unmapped)):
+        if items:
+            problems.append(f"{label}: {', '.join(map(str, items[:5]))}" + (" …" if len(items) > 5 else ""))
+    if problems:
+        return CheckResult("coverage", False, "; ".join(problems), metrics)
+    return CheckResult("coverage", True, metrics=metrics)
+
+
+# -- 3. freshness -------------------------------------------------------------------------------------------------
+def freshness(step: int, version, sent: dict[str, torch.Tensor], read, alias_reads: dict[str, tuple]) -> CheckResult:
+    """The sampler's weight version is the learner step, and what it serves is bitwise what was sent.
+
+    ``read(name)`` returns the sampler's tensor for a learner name; ``sent`` tensors are cast to its dtype the
+    way the sampler's load casts them (``copy_``: round-to-nearest). ``alias_reads``: alias -> (what the alias
+    effectively computes with, the tensor it must equal), e.g. a tied ``lm_head`` probed through its forward.
+    """
+    if version is not None and str(version) != str(step):
+        return CheckResult("freshness", False, f"the sampler serves weight version {version!r}, the learner is at "
+                                               f"step {step}")
+    for name, tensor in sent.items():
+        served = read(name)
+        expected = tensor.detach().to(device=served.device, dtype=served.dtype)
+        if not bitwise_equal(expected, served):
+            return CheckResult("freshness", False, f"'{name}' is not what the sync sent at step {step}: "
+                                                   f"{_describe_diff(expected, served)}")
+    for alias, (effective, target) in alias_reads.items():
+        if not bitwise_equal(target.to(effective.dtype), effective):
+            return CheckResult("freshness", False, f"'{alias}' (tied) computes with a stale copy at step {step}: "
+                                                   f"{_describe_diff(target, effective)}")
+    return CheckResult("freshness", True)
+
+
+# -- 4. quantized-weight parity ---------------------------------------------------------------------------------
+def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = None) -> CheckResult:
+    """What the sampler computes with equals the learner's reference quantizer applied to the learner's weights.
+
+    ``reference(name)`` is the learner side (the Fair Cast export, the MXFP8 quantize-dequantize, or a plain
+    round-to-nearest cast); ``read(name)`` the sampler side (dequantized where the sampler stores FP8 data and
+    scales). Bitwise. ``sent``: pass the tensors a freshness check just verified, to skip names whose reference
+    *is* the sent tensor (Fair Cast's export): comparing them again would prove nothing new.
+    """
+    compared = 0
+    for name in names:
+        ref = reference(name)
+        if sent is not None and sent.get(name) is ref:
+            continue  # the learner's reference is the very tensor sent, and freshness compared it bitwise
+        compared += 1
+        served = read(name)
+        ref = ref.to(served.device)
+        if ref.shape != served.shape or ref.dtype != served.dtype:
+            return CheckResult("quant_parity", False, f"'{name}': learner reference {ref.dtype} {tuple(ref.shape)}, "
+                                                      f"sampler {served.dtype} {tuple(served.shape)}")
+        if not bitwise_equal(ref, served):
+            return CheckResult("quant_parity", False, f"'{name}' differs from the learner's quantizer output: "
+                                                      f"{_describe_diff(ref, served)}")
+    if not compared:
+        return CheckResult("quant_parity", True, "every served tensor is the very tensor freshness compared; no "
+                                                 "quantizer between them", applicable=False)
+    return CheckResult("quant_parity", True, metrics={"compared": compared})
+
+
+# -- 5. logprob agreement ---------------------------------------------------------------------------------------
+class LogprobBand:
+    """Sampler/learner logprob agreement, judged against what numerics alone explain, measured on the same tokens.
+
+    ``gap`` is the mean |logπ_learner − logμ_sampler| over the masked tokens. A healthy gap is not zero and not
+    constant: the learner and the sampler compute in different precisions (fp32 or autocast against a sampler in
+    bf16 end to end) and along different paths (one teacher-forced forward against incremental decoding with a KV
+    cache, or another engine's kernels), and both effects grow as the policy sharpens. So every evaluation is judged
+    against a reference ``ρ`` (``numerics_logps``): the logprobs of the same tokens computed *from the learner's own
+    weights, the way the sampler computes* (the learner's tensors as the sampler is meant to hold them, every op in
+    the served dtype, autocast off). Since |π − μ| ≤ |π − ρ| + |ρ − μ| token by token, the gap splits into
+
+    - ``explained`` = mean |π − ρ|: what the sampler's precision alone produces on this very batch, and
+    - ``path`` = mean |ρ − μ|: the same weights and dtype, computed by the sampler itself: its decoding path and
+      kernels — and any fault (stale or corrupted weights, a wrong cache), since ρ never reads the sampler's state.
+
+    The path term has no independent measure, so it is calibrated: ``path_reference`` is the largest path term
+    that passed on an evaluation whose sync was verified (bitwise freshness passed, or could not run), and once
+    ``calibration`` evaluations have fed it,
+
+        band = max(floor, factor × explained, path_factor × path_reference)
+
+    (the gap is at most explained + path ≤ 2 × the larger of the two, so a factor of 3 leaves 1.5× headroom on
+    their sum). While it calibrates, only the gross rule runs.
+
+    ρ costs a forward, so once calibrated it is measured on every ``reference_every``-th evaluation
+    (:meth:`reference_due`); an evaluation without it is judged on all its tokens against the band of the last
+    measured precision term (*held*). Over that band nothing fails yet: ρ is measured on the next evaluation, and
+    only measured evaluations count towards ``persistence``. Without ``numerics_logps`` ever (a path that cannot
+    compute ρ) the band falls back to ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest
+    gap that has passed so far, likewise enforced after ``calibration`` evaluations. The calibrated terms follow slow
+    growth, so they catch a sudden, lasting jump of the gap (a stale or corrupted sampler), not a fault present from
+    the first evaluation below the gross ceiling, nor one that creeps in more slowly than the policy sharpens: the
+    weight checks (coverage, freshness, quant_parity) see those.
+
+    An evaluation is *over* when gap > band. The check fails after ``persistence`` consecutive over-evaluations
+    (a one-batch spike passes), and at once on a non-finite gap, a gross excess
+    ``gap > max(log(max_ratio), gross_factor × band)`` (band: the floor and the explained term while calibrating),
+    or a gross path term ``path > max(log(max_ratio), gross_factor × path_reference)``.
+    """
+
+    def __init__(self, factor: float = LOGPROB_BAND_FACTOR, floor: float = LOGPROB_BAND_FLOOR,
+                 persistence: int = LOGPROB_PERSISTENCE, gross_factor: float = LOGPROB_GROSS_FACTOR,
+                 max_ratio: float = LOGPROB_MAX_RATIO, calibration: int = LOGPROB_CALIBRATION,
+                 fallback_factor: float = LOGPROB_FALLBACK_FACTOR, path_factor: float = LOGPROB_PATH_FACTOR,
+                 reference_every: int = LOGPROB_REFERENCE_EVERY):
+        self.factor, self.floor, self.max_ratio = factor, floor, max_ratio
+        self.persistence = max(1, int(persistence))
+        self.gross_factor, self.fallback_factor, self.path_factor = gross_factor, fallback_factor, path_factor
+        self.calibration = max(1, int(calibration))
+        self.reference: float | None = None  # the largest gap that passed (the fallback's reference)
+        self.evaluations = 0  # evaluations that fed the reference
+        self.path_reference: float | None = None  # the largest path term that passed after a verified sync
+        self.path_evaluations = 0  # evaluations that fed it
+        self.over = 0  # consecutive over-band evaluations
+        self.reference_every = max(1, int(reference_every))
+        self.held: tuple[float, int] | None = None  # (explained, step) of the last evaluation that measured ρ
+        self.since_reference = 0  # evaluations judged since ρ was last measured
+        self.remeasure = False  # a held evaluation was over its band: measure ρ on the next one
+
+    def reference_due(self) -> bool:
+        """Whether the next evaluation should measure ρ: every evaluation while the path term calibrates, then
+        every ``reference_every``-th (between them the last measured precision term is held)."""
+        if self.path_reference is None or self.path_evaluations < self.calibration or self.held is None:
+            return True
+        if self.remeasure or self.over:  # the last evaluation was over its band: this one is judged on a measured ρ
+            return True
+        return self.since_reference + 1 >= self.reference_every
+
+    def band(self, explained: float | None, path: float | None = None) -> tuple[float | None, str]:
+        """(the band, how it was derived) for this evaluation; (None, why) while it calibrates."""
+        if explained is not None:
+            if self.path_reference is None or self.path_evaluations < self.calibration:
+                return None, (f"the floor {self.floor:g} and numerics explain {explained:.4g} × {self.factor:g} (path "
+                              f"calibrating {self.path_evaluations}/{self.calibration})")
+            scaled = max(self.factor * explained, self.path_factor * self.path_reference)
+            said = (f"the larger of numerics explain {explained:.4g} × {self.factor:g} and sampler path "
+                    f"{self.path_reference:.4g} × {self.path_factor:g}")
+            if scaled >= self.floor:
+                return scaled, said
+            return self.floor, f"floor {self.floor:g} ({said} = {scaled:.4g})"
+        if self.reference is None or self.evaluations < self.calibration:
+            return None, f"the floor {self.floor:g} (no numerics logprobs; fallback calibrating {self.evaluations}/" \
+                         f"{self.calibration})"
+        scaled = self.fallback_factor * self.reference
+        if scaled >= self.floor:
+            return scaled, (f"no numerics logprobs: largest passing gap {self.reference:.4g} × "
+                            f"{self.fallback_factor:g}")
+        return self.floor, (f"floor {self.floor:g} (no numerics logprobs: largest passing gap {self.reference:.4g} × "
+                            f"{self.fallback_factor:g} = {scaled:.4g})")
+
+    def path_ceiling(self) -> float | None:
+        """The path term's own gross ceiling once calibrated: a sampler that suddenly computes far from the
+        learner's weights (a stale or corrupted copy) fails at once even where precision explains a wide band."""
+        if self.path_reference is None or self.path_evaluations < self.calibration:
+            return None
+        return max(math.log(self.max_ratio), self.gross_factor * self.path_reference)
+
+    def check(self, learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, step: int,
+              numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None,
+              verified: bool | None = None) -> CheckResult:
+        """``numerics_mask``: the tokens ``numerics_logps`` cover (default ``mask``): the reference may be measured on
+        a few rollouts of the batch. The gap is *reported* over ``mask`` (``logp_gap_mean``) and *judged* on the
+        tokens the reference covers (the same tokens on both sides of the comparison)."""
+        stats = logprob_stats(learner_logps, sampler_logps, mask, numerics_logps, numerics_mask)
+        return self.judge(stats, step, verified)
+
+    def judge(self, stats: dict, step: int, verified: bool | None = None) -> CheckResult:
+        """Judge the token statistics of :func:`logprob_stats` — one rank's, or every rank's reduced with
+        :data:`LOGPROB_STAT_OPS` (the band then judges the global batch, identically on every rank). ``verified``:
+        False when the sync before these rollouts was not verified bitwise (its path term calibrates nothing)."""
+        name = "logprob_agreement"
+        if stats["count"] == 0:
+            return CheckResult(name, True)
+        gap, worst = stats["sum"] / stats["count"], stats["max"]
+        metrics = {"logp_gap_mean": gap, "logp_gap_max": worst}
+        metrics.update(ratio_metrics(stats))
+        if not math.isfinite(gap):
+            self.over += 1
+            return CheckResult(name, False, f"non-finite mean |logπ_learner − logμ_sampler| ({gap}) at step {step}",
+                               metrics)
+        explained = path = None
+        if stats["numerics"]:
+            covered = stats["covered"]
+            explained = stats["explained_sum"] / covered if covered else float("nan")
+            path = stats["path_sum"] / covered if covered else float("nan")
+            if math.isfinite(explained) and math.isfinite(path):
+                metrics["logp_gap_numerics"] = explained
+                metrics["logp_gap_path"] = path
+                if stats["partial"]:  # judge the gap on the tokens the reference covers
+                    gap = stats["judged_sum"] / covered
+                    metrics["logp_gap_judged"] = gap
+            else:  # the reference's low-precision forward overflowed: no explanation on this batch
+                explained = path = None
+        held = False
+        if explained is not None:
+            self.held, self.since_reference, self.remeasure = (explained, step), 0, False
+        else:
+            self.since_reference += 1
+            if self.held is not None and not stats["numerics"] and self.path_evaluations >= self.calibration:
+                explained, held = self.held[0], True  # ρ not measured on this evaluation: its last terms hold
+        limit, derivation = self.band(explained, path)
+        if held:
+            derivation += f", held from step {self.held[1]}"
+        used = limit if limit is not None else max(self.floor, self.factor * explained if explained else 0.0)
+        if held:
+            metrics["logp_gap_numerics_held"] = explained
+        ceiling = max(math.log(self.max_ratio), self.gross_factor * used)
+        if limit is not None:
+            metrics["logp_gap_limit"] = limit
+            metrics["logp_over_band_frac"] = over_fraction(stats, limit)
+        where = f" at masked token {stats['where']}" if stats.get("where") is not None else ""
+        said = f"mean |logπ_learner − logμ_sampler| {gap:.4g} at step {step} (max gap {worst:.4g}{where})"
+        if explained is not None and not held:
+            said += f"; numerics explain {explained:.4g}, the sampler's path adds {path:.4g}"
+        if gap > ceiling:
+            self.over += 1
+            return CheckResult(
+                name, False,
+                f"{said}: exceeds the gross ceiling {ceiling:.4g} = max(log {self.max_ratio:g}, "
+                f"{self.gross_factor:g} × band {used:.4g}); band from {derivation}: fails at once (consecutive "
+                f"over-band evaluations: {self.over})", metrics)
+        path_ceiling = self.path_ceiling()
+        if path is not None and path_ceiling is not None and path > path_ceiling:
+            self.over += 1
+            return CheckResult(
+                name, False,
+                f"{said}: the sampler's path term {path:.4g} exceeds its gross ceiling {path_ceiling:.4g} = "
+                f"max(log {self.max_ratio:g}, {self.gross_factor:g} × calibrated path {self.path_reference:.4g}): "
+                "fails at once", metrics)
+        if limit is not None and gap > limit and held:
+            # over a band whose precision term was measured on other rollouts, earlier: measure ρ on the next
+            # evaluation and judge there (a healthy batch can hold lower-probability tokens than the measured one)
+            self.remeasure = True
+            return CheckResult(name, True, metrics=metrics)
+        if limit is not None and gap > limit:
+            self.over += 1
+            if self.over >= self.persistence:
+                return CheckResult(
+                    name, False,
+                    f"{said}: exceeds the band {limit:.4g} ({derivation}) for {self.over} consecutive evaluations "
+                    f"(fails after {self.persistence})", metrics)
+            return CheckResult(name, True, metrics=metrics)
+        self.over = 0
+        self.reference = gap if self.reference is None else max(self.reference, gap)
+        self.evaluations += 1
+        if path is not None and verified is not False:
+            self.path_reference = path if self.path_reference is None else max(self.path_reference, path)
+            self.path_evaluations += 1
+        return CheckResult(name, True, metrics=metrics)
+
+
+# |Δ logp| histogram of the logprob check: log-spaced bins, so the fraction of tokens over a band is exact to one bin
+# (a ratio of 10^(1/HIST_PER_DECADE) ≈ 1.047) and ranks add their counts.
+HIST_LOW, HIST_DECADES, HIST_PER_DECADE = 1e-5, 7, 50
+HIST_BINS = HIST_DECADES * HIST_PER_DECADE + 2  # + one below HIST_LOW, one at or above HIST_LOW × 10^HIST_DECADES
+
+
+def delta_histogram(deltas: torch.Tensor) -> list[float]:
+    """Counts of ``deltas`` (>= 0) per bin: bin 0 below HIST_LOW, bin k for [HIST_LOW·10^((k−1)/m), ·10^(k/m))."""
+    d = deltas.detach().double().clamp_min(HIST_LOW / 10)
+    k = torch.floor(torch.log10(d / HIST_LOW) * HIST_PER_DECADE).long() + 1
+    k = k.clamp(0, HIST_BINS - 1).cpu()
+    return torch.bincount(k, minlength=HIST_BINS).double().tolist()
+
+
+def over_fraction(stats: dict, limit: float) -> float:
+    """Fraction of the masked tokens whose |Δ logp| exceeds ``limit`` (counted from the bin holding ``limit`` up)."""
+    hist, count = stats.get("hist"), stats["count"]
+    if not hist or not count:
+        return 0.0
+    first = 0 if limit < HIST_LOW else min(HIST_BINS - 1, int(math.floor(math.log10(limit / HIST_LOW)
+                                                                            * HIST_PER_DECADE)) + 1)
+    return float(sum(hist[first + 1:])) / count
+
+
+def ratio_metrics(stats: dict) -> dict:
+    """Importance-ratio statistics as TRL's ``vllm_importance_sampling_*`` options use them: per token
+    ``exp(logπ − logμ)`` and per sequence ``exp(Σ_t (logπ − logμ))``, min / mean / max."""
+    out = {}
+    if stats.get("count"):
+        out.update(is_ratio_token_min=stats["ratio_min"], is_ratio_token_mean=stats["ratio_sum"] / stats["count"],
+                   is_ratio_token_max=stats["ratio_max"])
+    if stats.get("seqs"):
+        out.update(is_ratio_seq_min=stats["seq_ratio_min"], is_ratio_seq_mean=stats["seq_ratio_sum"] / stats["seqs"],
+                   is_ratio_seq_max=stats["seq_ratio_max"])
+    return out
+
+
+# How each entry of :func:`logprob_stats` combines over ranks ("hist": element-wise sum).
+LOGPROB_STAT_OPS = {"sum": "sum", "count": "sum", "max": "max", "explained_sum": "sum", "path_sum": "sum",
+                    "judged_sum": "sum", "covered": "sum", "numerics": "max", "partial": "max", "ratio_sum": "sum",
+                    "ratio_min": "min", "ratio_max": "max", "seq_ratio_sum": "sum", "seq_ratio_min": "min",
+                    "seq_ratio_max": "max", "seqs": "sum"}
+
+
+def logprob_stats(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                  numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None) -> dict:
+    """Token sums of the logprob check on one batch: |learner − sampler| over ``mask`` (sum, count, max, where the
+    max is, a histogram), the importance ratios, and over the tokens the reference covers the |learner − ρ|,
+    |ρ − sampler| and |learner − sampler| sums. Sums, counts, minima and maxima, so that ranks combine them exactly
+    (:data:`LOGPROB_STAT_OPS`)."""
+    learner = learner_logps.float()
+    mask = mask.bool().to(learner.device)
+    signed = learner - sampler_logps.float().to(learner.device)
+    full = signed.abs()
+    diff = full[mask]
+    out = {"sum": 0.0, "count": 0, "max": 0.0, "explained_sum": 0.0, "path_sum": 0.0, "judged_sum": 0.0,
+           "covered": 0, "numerics": 0, "partial": 0, "where": None, "ratio_sum": 0.0, "ratio_min": math.inf,
+           "ratio_max": -math.inf, "seq_ratio_sum": 0.0, "seq_ratio_min": math.inf, "seq_ratio_max": -math.inf,
+           "seqs": 0, "hist": [0.0] * HIST_BINS}
+    if diff.numel() == 0:
+        return out
+    ratio = torch.exp(signed.double()[mask])
+    rows = mask.any(dim=1)
+    seq = torch.exp((signed.double() * mask).sum(dim=1)[rows])
+    d = diff.double()
+    scalars = [d.sum(), d.max(), torch.argmax(diff).double(), ratio.sum(), ratio.min(), ratio.max(), seq.sum(),
+               seq.min(), seq.max()]
+    if numerics_logps is not None:
+        covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device) & mask
+        reference = numerics_logps.float().to(learner.device)
+        explained = (learner - reference).abs()[covered].double()
+        path = (reference - sampler_logps.float().to(learner.device)).abs()[covered].double()
+        scalars += [explained.sum(), path.sum(), full[covered].double().sum(), torch.tensor(float(explained.numel()))]
+    values = torch.stack([v.to(torch.float64).cpu() for v in scalars]).tolist()  # one host transfer
+    out.update(sum=values[0], count=int(diff.numel()), max=values[1], where=int(values[2]), ratio_sum=values[3],
+               ratio_min=values[4], ratio_max=values[5], seq_ratio_sum=values[6], seq_ratio_min=values[7],
+               seq_ratio_max=values[8], seqs=int(seq.numel()), hist=delta_histogram(diff))
+    if numerics_logps is not None:
+        out.update(numerics=1, partial=int(numerics_mask is not None), explained_sum=values[9], path_sum=values[10],
+                   judged_sum=values[11], covered=int(values[12]))
+    return out
+
+
+# -- 6. differential oracle -------------------------------------------------------------------------------------
+def compare_states(label: str, expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> str | None:
+    for name, tensor in expected.items():
+        if name not in actual:
+            return f"{label}: '{name}' missing"
+        if not bitwise_equal(tensor, actual[name]):
+            return f"{label}: '{name}' {_describe_diff(tensor, actual[name])}"
+    return None
+
+
+# -- 7. cache hygiene -------------------------------------------------------------------------------------------
+def cache_hygiene(step: int, reset_ok: bool | None, cached_blocks: int | None, observable: bool = True) -> CheckResult:
+    """After a sync the prefix/KV cache holds nothing computed with the old weights. A sampler whose cache cannot
+    be observed (``observable=False``, and no reset result) makes the check not applicable."""
+    if not observable and reset_ok is None and cached_blocks is None:
+        return CheckResult("cache_hygiene", True, "the sampler's prefix cache cannot be observed (a vLLM server's "
+                                                  "reset endpoint reports nothing)", applicable=False)
+    if reset_ok is False:
+        return CheckResult("cache_hygiene", False, f"the sampler refused to reset its prefix cache at step {step}")
+    if cached_blocks:
+        return CheckResult("cache_hygiene", False, f"{cached_blocks} prefix-cache block(s) computed with the old "
+                                                   f"weights survived the sync to step {step}")
+    return CheckResult("cache_hygiene", True)
