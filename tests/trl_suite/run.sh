@@ -29,13 +29,22 @@ OUT=$(cd "$OUT" && pwd)
 rm -rf "$OUT/suite"
 mkdir -p "$OUT/suite"
 git -C "$REPO" archive HEAD tests | tar -x -C "$OUT/suite"
+# TRL's own pytest settings (markers, warning filters) and a rootdir at the suite: test ids do not depend on OUT, and
+# the settings of a project OUT lies in (ours, with the default OUT under runs/) do not leak into TRL's tests.
+CONFIG="$OUT/suite/pytest.ini"
+if git -C "$REPO" show HEAD:pyproject.toml 2>/dev/null | grep -q '^\[tool\.pytest\.ini_options\]'; then
+  CONFIG="$OUT/suite/pyproject.toml"
+  git -C "$REPO" show HEAD:pyproject.toml >"$CONFIG"
+else
+  printf '[pytest]\n' >"$CONFIG"
+fi
 "$PY" "$HERE/patch_testing_utils.py" "$OUT/suite/tests/testing_utils.py"
 export HF_HOME="$OUT/../hf_home" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 [ -f "$HF_HOME/.trl_fp8_hub_built" ] || "$PY" "$HERE/build_hub.py" "$HF_HOME"
 cd "$OUT/suite"
 status=0
-TRL_FP8_SUITE_MODE=$MODE PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -p suite_plugin \
+TRL_FP8_SUITE_MODE=$MODE PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -c "$CONFIG" --rootdir "$OUT/suite" -p suite_plugin \
   tests/test_grpo_trainer.py -m "not slow" -q -p no:cacheprovider --junitxml="$OUT/junit.xml" "$@" \
   >"$OUT/pytest.log" 2>&1 || status=$?
 "$PY" "$HERE/passed.py" "$OUT/junit.xml" >"$OUT/passed.txt"
