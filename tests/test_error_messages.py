@@ -77,3 +77,75 @@ def test_task_datasets_refuse_empty_or_impossible_requests(make, kwargs, message
     module, name = make.split(":")
     with pytest.raises(ValueError, match=message):
         getattr(importlib.import_module(module), name)(**kwargs)
+
+
+def test_the_native_kernel_wrapper_checks_before_it_passes_a_pointer():
+    from trl_fp8.fair_cast import _native
+
+    src = torch.zeros(4)
+    for kwargs, error, message in [
+        (dict(src=[0.0]), TypeError, "src must be a torch.Tensor, got list"),
+        (dict(src=src.double()), TypeError, "src must have dtype torch.float32, got torch.float64"),
+        (dict(out=torch.empty(3, dtype=torch.bfloat16)), ValueError,
+         r"out must have shape \(4,\) \(the shape of src\), got \(3,\)"),
+        (dict(src=torch.zeros(4, 2).t()), ValueError, "src must be contiguous"),
+        (dict(key=2**32), ValueError, r"key must be an int in \[0, 2\*\*32\), got 4294967296"),
+        (dict(nthreads=0), ValueError, r"nthreads must be an int in \[1, 2\*\*31\), got 0"),
+        (dict(offset=-1), ValueError, r"offset must be an int in \[0, 2\*\*62\), got -1"),
+    ]:
+        args = dict(src=src, out=None, key=0, nthreads=1, offset=0) | kwargs
+        with pytest.raises(error, match=message):
+            _native.sr_bf16(None, args.pop("src"), args.pop("out"), **args)  # refused before the library is used
+
+
+def test_stochastic_round_names_the_dtypes_it_serves():
+    from trl_fp8.fair_cast.rounding import stochastic_round
+
+    with pytest.raises(ValueError, match="stochastic_round: dtype must be torch.bfloat16 or torch.float16, got "
+                                         "torch.float32"):
+        stochastic_round(torch.zeros(4), torch.float32, seed=0, step=0, index=0)
+
+
+def test_composition_refuses_an_inconsistent_capability_list():
+    from trl_fp8.capability import Capability
+    from trl_fp8.composition import setup_order
+
+    def cap(name, **attrs):
+        return type(name.title(), (Capability,), {"name": name, **attrs})
+
+    with pytest.raises(ValueError, match=r"two capabilities share a name: \['a', 'a'\]"):
+        setup_order((cap("a"), cap("a")))
+    with pytest.raises(ValueError, match=r"A names 'z', which is not a capability \(a, b\)\."):
+        setup_order((cap("a", after=("z",)), cap("b")))
+    with pytest.raises(ValueError, match="capability set-up order has a cycle: a -> b -> a"):
+        setup_order((cap("a", after=("b",)), cap("b", after=("a",))))
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(duet=True, duet_max_weight=0.5), "duet_max_weight must be >= 1, got 0.5."),
+    (dict(duet=True, duet_markers=["("]), r"duet_markers: invalid regular expression '\(': "),
+    (dict(duet=True, use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True),
+     r"duet=True with use_vllm=True cannot run with vllm_enable_sleep_mode=True yet."),
+    (dict(precision="fp32", bf16=True), r"precision='fp32' means fp32 here \(as asked\), but bf16=True was given: "
+                                        r"drop bf16 \(precision sets it\)"),
+    (dict(precision="bf16", fp16=True, bf16=None), r"precision='bf16' means bf16 here \(as asked\), but fp16=True "
+                                                   r"was given: drop fp16"),
+])
+def test_config_refusals(tmp_path, given, message):
+    from trl_fp8 import GRPOConfig
+
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **given)
+
+
+def test_dtype_names_and_the_metrics_file(tmp_path):
+    from trl_fp8.metrics import read_metrics
+    from trl_fp8.numerics import torch_dtype
+
+    with pytest.raises(ValueError, match=r"'bf17' is not a torch dtype name \(e.g. 'bfloat16', 'float16', "
+                                         r"'float32'\)\."):
+        torch_dtype("bf17")
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2,\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not valid JSON \("):
+        read_metrics(path)
