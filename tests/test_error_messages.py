@@ -149,3 +149,35 @@ def test_dtype_names_and_the_metrics_file(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2,\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not valid JSON \("):
         read_metrics(path)
+
+
+def _lora(**config):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    return get_peft_model(model, LoraConfig(r=2, target_modules=["0"], **config))
+
+
+def _lora_layers(model):
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def test_fair_cast_and_fast_qlora_name_the_lora_layer_they_cannot_serve():
+    from trl_fp8.fair_cast.peft import LoraUnit, lora_units
+    from trl_fp8.fast_qlora.component import FastQLoRA
+
+    [(name, dora)] = _lora_layers(_lora(use_dora=True))
+    with pytest.raises(ValueError, match=f"Fair Cast does not support DoRA \\(layer '{name}'\\): its forward is not "
+                                         r"W \+ ΔW."):
+        LoraUnit(name, dora)
+    with pytest.raises(ValueError, match=f"fast QLoRA does not support DoRA \\(layer '{name}'\\)"):
+        FastQLoRA._refuse_unsupported(None, None, [(name, dora)])
+    [(name, biased)] = _lora_layers(_lora(lora_bias=True))
+    with pytest.raises(ValueError, match=f"fast QLoRA does not support lora_bias=True \\(layer '{name}'\\)."):
+        FastQLoRA._refuse_unsupported(None, None, [(name, biased)])
+    with pytest.raises(ValueError, match=r"Fair Cast does not support PEFT `modules_to_save` yet \(parameter "
+                                         r"'base_model.model.2.original_module.weight'\)"):
+        lora_units(_lora(modules_to_save=["2"]))
