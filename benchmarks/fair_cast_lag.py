@@ -171,13 +171,17 @@ def report_real(jsonl: str, plot: str) -> None:
                         key=lambda r: r["key"]["seed"]) for m in MODES}
         seeds = sorted({r["key"]["seed"] for rs in at.values() for r in rs})
         steps = max(r["key"]["steps"] for rs in at.values() for r in rs)
-        minutes = [sum(x["seconds"] for x in r["steps"].values()) / 60 for rs in at.values() for r in rs]
+        step_s = sorted(x["seconds"] for rs in at.values() for r in rs for x in r["steps"].values())
         print(f"\nSmolLM2-135M-Instruct, chat_math, full fine-tuning, bf16=True (bf16 served copy samples), AdamW lr "
               f"{lr:g} constant, {steps} steps of {REAL['prompts']} prompts x {REAL['slots']} generations; seeds "
-              f"{seeds}; train minutes per run {_runlog.spread(minutes, '.1f')}; mean ± std [min, max] over seeds")
-        print("| rule | visible update frac | |lag| (steps) | training reward (correctness, served policy), "
-              "first 5 steps -> last 5 | held-out sampled by step | held-out greedy by step |")
-        print("|---|---|---|---|---|---|")
+              f"{seeds}; median optimizer step {statistics.median(step_s):.1f} s on this machine; per rule: mean ± std "
+              "[min, max] over seeds, and the mean over seeds at each held-out evaluation (48 problems)")
+        evals = sorted({s for rs in at.values() for r in rs for s in r["evals"]})
+        marks = " / ".join(str(s) for s in evals)
+        print(f"| rule | seeds | visible update frac | mean \\|lag\\| (steps) | training reward, first 5 steps -> last 5 "
+              f"| held-out sampled at step {marks} | held-out greedy at step {marks} | sampled, last step | greedy, "
+              "last step |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for mode in MODES:
             rs = at[mode]
             if not rs:
@@ -191,16 +195,17 @@ def report_real(jsonl: str, plot: str) -> None:
                 xs = [r["steps"][s][REWARD] for s in sorted(r["steps"])]
                 return statistics.mean(xs[:5] if which == "first" else xs[-5:])
 
-            evals = sorted({s for r in rs for s in r["evals"]})
+            def curve(field):
+                return " / ".join(f"{statistics.mean(r['evals'][s][field] for r in rs if s in r['evals']):.2f}"
+                                  for s in evals if any(s in r["evals"] for r in rs))
 
-            def by_step(field):
-                return "; ".join(f"{s}: {_runlog.spread([r['evals'][s][field] for r in rs if s in r['evals']], '.2f')}"
-                                 for s in evals)
+            def last(field):
+                return _runlog.spread([r["evals"][max(r["evals"])][field] for r in rs], ".2f")
 
-            print(f"| {mode} | {_runlog.spread(vis, '.4f')} | {_runlog.spread(lag, '.1f')} | "
+            print(f"| {mode} | {len(rs)} | {_runlog.spread(vis, '.4f')} | {_runlog.spread(lag, '.1f')} | "
                   f"{_runlog.spread([reward(r, 'first') for r in rs], '.2f')} -> "
-                  f"{_runlog.spread([reward(r, 'last') for r in rs], '.2f')} | {by_step('heldout_sampled')} | "
-                  f"{by_step('heldout_greedy')} |")
+                  f"{_runlog.spread([reward(r, 'last') for r in rs], '.2f')} | {curve('heldout_sampled')} | "
+                  f"{curve('heldout_greedy')} | {last('heldout_sampled')} | {last('heldout_greedy')} |")
         for other in ("stochastic", "error_feedback"):
             pairs = [(a, b) for a in at["rtn"] for b in at[other] if a["key"]["seed"] == b["key"]["seed"]]
             if not pairs:
@@ -218,21 +223,30 @@ def report_real(jsonl: str, plot: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(lrs), figsize=(6 * len(lrs), 4), squeeze=False)
-    for ax, lr in zip(axes[0], lrs):
+    fig, axes = plt.subplots(2, len(lrs), figsize=(6.5 * len(lrs), 8), squeeze=False)
+    for col, lr in enumerate(lrs):
+        ax, ax_eval = axes[0][col], axes[1][col]
         for mode, color in zip(MODES, ("C0", "C1", "C2")):
             rs = [r for r in runs if r["key"]["lr"] == lr and r["key"]["mode"] == mode]
-            for i, r in enumerate(rs):
+            for r in rs:
                 steps = sorted(r["steps"])
-                ax.plot(steps, [r["steps"][s][REWARD] for s in steps], color=color, alpha=0.35, lw=1)
+                ax.plot(steps, [r["steps"][s][REWARD] for s in steps], color=color, alpha=0.3, lw=1)
+                evals = sorted(r["evals"])
+                ax_eval.plot(evals, [r["evals"][s]["heldout_sampled"] for s in evals], color=color, alpha=0.3, lw=1)
             if rs:
                 common = sorted(set.intersection(*(set(r["steps"]) for r in rs)))
                 ax.plot(common, [statistics.mean(r["steps"][s][REWARD] for r in rs) for s in common], color=color,
                         lw=2.5, label=f"{mode} (mean of {len(rs)} seeds)")
-        ax.set(title=f"SmolLM2 chat_math, served-policy reward, lr {lr:g}", xlabel="optimizer step",
-               ylabel="training reward (correctness, sampled)")
-        ax.grid(alpha=0.3)
-        ax.legend()
+                common = sorted(set.intersection(*(set(r["evals"]) for r in rs)))
+                ax_eval.plot(common, [statistics.mean(r["evals"][s]["heldout_sampled"] for r in rs) for s in common],
+                             color=color, lw=2.5, marker="o", label=f"{mode} (mean of {len(rs)} seeds)")
+        ax.set(title=f"SmolLM2 chat_math, lr {lr:g}: training reward of the served policy", xlabel="optimizer step",
+               ylabel="correctness, sampled (2 prompts x 8)")
+        ax_eval.set(title=f"lr {lr:g}: held-out accuracy, sampled t = 1 (48 problems)", xlabel="optimizer step",
+                    ylabel="accuracy")
+        for a in (ax, ax_eval):
+            a.grid(alpha=0.3)
+            a.legend()
     fig.tight_layout()
     fig.savefig(plot, dpi=100)
     print(f"plot: {plot}")

@@ -71,7 +71,8 @@ def test_fair_cast_report_pairs_rules_per_seed(tmp_path, capsys):
             write(path, _fair_cast_records(5e-6, seed, mode, reward))
     fair_cast_lag.report_real(path, str(tmp_path / "fc.png"))
     out = capsys.readouterr().out
-    assert "| rtn | 0.0100 ± 0.0000 [0.0100, 0.0100] (n=3) |" in out
+    assert "| rtn | 3 | 0.0100 ± 0.0000 [0.0100, 0.0100] (n=3) |" in out
+    assert "| 0.00 / 0.20 / 0.40 |" in out  # rtn's held-out sampled at steps 0, 2, 4 (mean over seeds)
     assert "stochastic − rtn, heldout_sampled at step 4, paired per seed: +0.200, +0.200, +0.200" in out
     assert out.rstrip().splitlines()[-1] == "sr_minus_rtn_heldout_at_5e-06: +0.200"
     assert os.path.getsize(tmp_path / "fc.png") > 0
