@@ -249,7 +249,8 @@ def report_real(jsonl: str, target: float, plot: str) -> None:
                     ratios.append(h[index] / g[index])
                 else:
                     excluded.append(str(sd))
-            print(f"{arm} / grpo {what} to target {target}, per seed: {', '.join(f'{x:.2f}' for x in ratios) or 'none'};"
+            per_seed = ", ".join(f"{x:.2f}" for x in ratios) or "none"
+            print(f"{arm} / grpo {what} to target {target}, per seed: {per_seed};"
                   f" {spread(ratios, '.2f')}" + (f"; excluded seeds {', '.join(excluded)} (a run that did not reach "
                                                   "the target, or GRPO there at step 0)" if excluded else ""))
             if arm == "duet_0.5" and what == "tokens" and ratios:

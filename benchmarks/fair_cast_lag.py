@@ -174,13 +174,13 @@ def report_real(jsonl: str, plot: str) -> None:
         step_s = sorted(x["seconds"] for rs in at.values() for r in rs for x in r["steps"].values())
         print(f"\nSmolLM2-135M-Instruct, chat_math, full fine-tuning, bf16=True (bf16 served copy samples), AdamW lr "
               f"{lr:g} constant, {steps} steps of {REAL['prompts']} prompts x {REAL['slots']} generations; seeds "
-              f"{seeds}; median optimizer step {statistics.median(step_s):.1f} s on this machine; per rule: mean ± std "
-              "[min, max] over seeds, and the mean over seeds at each held-out evaluation (48 problems)")
+              f"{seeds}; median optimizer step {statistics.median(step_s):.1f} s on this machine; per rule: mean ± "
+              "std [min, max] over seeds, and the mean over seeds at each held-out evaluation (48 problems)")
         evals = sorted({s for rs in at.values() for r in rs for s in r["evals"]})
         marks = " / ".join(str(s) for s in evals)
-        print(f"| rule | seeds | visible update frac | mean \\|lag\\| (steps) | training reward, first 5 steps -> last 5 "
-              f"| held-out sampled at step {marks} | held-out greedy at step {marks} | sampled, last step | greedy, "
-              "last step |")
+        print("| rule | seeds | visible update frac | mean \\|lag\\| (steps) | training reward, first 5 steps -> "
+              f"last 5 | held-out sampled at step {marks} | held-out greedy at step {marks} | sampled, last step | "
+              "greedy, last step |")
         print("|---|---|---|---|---|---|---|---|---|")
         for mode in MODES:
             rs = at[mode]

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig as _TRLGRPOConfig
 
-from .registry import CAPABILITIES
-from .composition import check_conflicts
 from .capability import check_choice  # noqa: F401  (re-exported: part of trl_fp8.config's API)
+from .composition import check_conflicts
 from .precision import PrecisionArgs, resolve_precision
+from .registry import CAPABILITIES
 
 
 @dataclass
@@ -44,7 +44,8 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
     """
 
     def __post_init__(self):
-        resolve_precision(self, CAPABILITIES)  # sets bf16/fp16 before TRL (unset bf16 -> True) and transformers read them
+        # sets bf16/fp16 before TRL (unset bf16 -> True) and transformers read them
+        resolve_precision(self, CAPABILITIES)
         super().__post_init__()
         self._validate_metrics_jsonl()
         for capability in CAPABILITIES:

@@ -6,14 +6,14 @@ MXFP8 and fast QLoRA change the policy's layers before Fair Cast copies it into 
 observe the samplers the others set up and compare logprobs on the batches DUET adjusted. Otherwise the order below.
 """
 
-from .time_budget.component import TimeBudget
 from .composition import setup_order
 from .distributed import Engine, refusal
 from .duet.component import Duet
 from .fair_cast.component import FairCast
-from .mxfp8.component import MXFP8
 from .fast_qlora.component import FastQLoRA
+from .mxfp8.component import MXFP8
 from .sync_checks.component import SyncChecks
+from .time_budget.component import TimeBudget
 
 CAPABILITIES = setup_order((MXFP8, FastQLoRA, FairCast, Duet, SyncChecks, TimeBudget))
 
