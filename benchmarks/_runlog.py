@@ -135,29 +135,34 @@ def finish(path: str, key: dict, output_dir: str) -> None:
         shutil.rmtree(output_dir)
 
 
-def spread(xs, fmt: str) -> str:
-    """``mean ± std [min, max] (n)`` (sample std; 0 with one value), or ``n/a`` for none."""
+def spread(xs, fmt: str, count: bool = False) -> str:
+    """``mean ± std [min, max]`` (sample std; 0 with one value), with ``(n=...)`` when ``count``; ``n/a`` for none.
+    The benchmarks' one way to state a figure over seeds."""
     import statistics
 
     xs = list(xs)
     if not xs:
         return "n/a"
     std = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return (f"{format(statistics.mean(xs), fmt)} ± {format(std, fmt)} [{format(min(xs), fmt)}, "
-            f"{format(max(xs), fmt)}] (n={len(xs)})")
+    text = (f"{format(statistics.mean(xs), fmt)} ± {format(std, fmt)} [{format(min(xs), fmt)}, "
+            f"{format(max(xs), fmt)}]")
+    return f"{text} (n={len(xs)})" if count else text
 
 
-def chat_math_heldout(tokenizer, problems: int = 48):
-    """``evaluate(model, step)`` for SmolLM2 on ``chat_math``: one sampled (t = 1) and one greedy completion per
-    held-out problem (the same problems and sampling seeds as ``benchmarks/smollm2_learning.py``)."""
+def chat_math_heldout(tokenizer, problems: int = 48, greedy: bool = True):
+    """``evaluate(model, step)`` for SmolLM2 on ``chat_math``: one sampled (t = 1) and, with ``greedy``, one greedy
+    completion per held-out problem — the problems and sampling seeds of every real-model benchmark
+    (``smollm2_learning.py``, ``fair_cast_lag.py`` and ``duet_budget.py --model smollm2``), so their figures compare."""
     import torch
 
     from trl_fp8.app.tasks.chat_math import chat_math_accuracy
 
     def evaluate(model, step: int) -> dict:
         torch.manual_seed(10_000 + step)
-        return {"heldout_sampled": chat_math_accuracy(model, tokenizer, problems, seed=987, temperature=1.0),
-                "heldout_greedy": chat_math_accuracy(model, tokenizer, problems, seed=987, temperature=None)}
+        figures = {"heldout_sampled": chat_math_accuracy(model, tokenizer, problems, seed=987, temperature=1.0)}
+        if greedy:
+            figures["heldout_greedy"] = chat_math_accuracy(model, tokenizer, problems, seed=987, temperature=None)
+        return figures
 
     return evaluate
 

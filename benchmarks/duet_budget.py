@@ -51,6 +51,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _runlog import spread  # noqa: E402  (the benchmarks' one way to state a figure over seeds)
+
 METHODS = {"grpo": {}, "duet_1.0": {"duet": True, "duet_budget": 1.0}, "duet_0.5": {"duet": True, "duet_budget": 0.5},
            "duet_0.3": {"duet": True, "duet_budget": 0.3}}
 # Per task: prompts per step, slots per prompt, learning rate, steps, problem pool, eval cadence, held-out problems,
@@ -123,14 +125,6 @@ def run(method: str, seed: int, task_name: str, settings: dict, workdir: str) ->
     return record
 
 
-def spread(xs, fmt: str) -> str:
-    """`mean ± std [min, max]` (sample std; 0 with one value), or `n/a` for no values."""
-    if not xs:
-        return "n/a"
-    std = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{format(statistics.mean(xs), fmt)} ± {format(std, fmt)} [{format(min(xs), fmt)}, {format(max(xs), fmt)}]"
-
-
 def first_reaching(evals, target):
     for step, tokens, seconds, acc in evals:
         if acc >= target:
@@ -146,12 +140,10 @@ REAL_JSONL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
 def run_real(arm: str, seed: int, settings: dict, jsonl: str, output_dir: str) -> None:
     """One resumable SmolLM2 run (see the module docstring); returns at once if ``jsonl`` says it is done."""
     import _runlog
-    import torch
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
     from trl_fp8.app.demo.tasks import demo_task
-    from trl_fp8.app.tasks.chat_math import chat_math_accuracy
 
     s = settings
     key = {"bench": "duet", "model": "trl-fp8:smollm2", "arm": arm, "seed": seed, "steps": s["steps"],
@@ -172,12 +164,7 @@ def run_real(arm: str, seed: int, settings: dict, jsonl: str, output_dir: str) -
     trainer = trl_fp8.GRPOTrainer(model=task.model_path(), reward_funcs=list(task.reward_funcs), args=args,
                                   train_dataset=task.make_dataset(s["pool"], seed=100 + seed))
     trainer.remove_callback(PrinterCallback)
-    tokenizer = trainer.processing_class
-
-    def evaluate(model, step):
-        torch.manual_seed(10_000 + step)
-        return {"heldout_sampled": chat_math_accuracy(model, tokenizer, s["eval_problems"], seed=987)}
-
+    evaluate = _runlog.chat_math_heldout(trainer.processing_class, s["eval_problems"], greedy=False)
     trainer.add_callback(_runlog.recorder(jsonl, key, s["eval_every"], evaluate, _runlog.numeric))
     trainer.train()
     if trainer.state.global_step >= s["steps"]:

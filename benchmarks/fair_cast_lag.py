@@ -27,12 +27,14 @@ ratio and is reported as excluded.
 **On the real model** (``--model smollm2``: SmolLM2-135M-Instruct on ``chat_math``, full fine-tuning, TRL's default
 ``bf16=True`` -- bf16 autocast over fp32 masters, the bf16 served copy generating every rollout -- 2 prompts x 8
 generations, completions <= 96 tokens, AdamW constant, checks off so only the export rule differs) the runs are long
-(~30 s a step on 2 cores), so they are resumable: each (lr, seed, rule) run checkpoints every ``--eval-every`` steps
+(a median step of 14 s on 2 cores, ~10 minutes a run with its evaluations), so they are resumable: each (lr, seed, rule) run checkpoints every ``--eval-every`` steps
 under ``--output-dir`` and resumes with ``resume_from_checkpoint="auto"``; every step's logged metrics and every
-held-out evaluation (the master, 48 problems, sampled t = 1 and greedy, at step 0 and every ``--eval-every`` steps)
+held-out evaluation (the served policy — between steps the learner holds the served values — 48 problems, sampled
+t = 1 and greedy, at step 0 and every ``--eval-every`` steps)
 are appended to ``--jsonl`` as they happen (``benchmarks/_runlog.py``); finished runs are skipped. Rerun the same
 command after a stop. ``--report`` reads the JSONL only: the tables, ``fair_cast_reward_vs_step.png`` (training
-reward of the served policy per step, one panel per learning rate, one colour per rule) and the last line
+reward of the served policy per step and held-out accuracy per evaluation, one column per learning rate, one colour
+per rule) and the last line
 ``sr_minus_rtn_heldout_at_<lr>: <mean over seeds>`` (held-out sampled accuracy at the last evaluated step, paired).
 
     python benchmarks/fair_cast_lag.py --model smollm2 --lrs 5e-6 1e-6 --seeds 0 1 2 --steps 20
@@ -49,6 +51,12 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _runlog import spread  # noqa: E402  (the benchmarks' one way to state a figure over seeds)
+
+
+def spread_n(xs, fmt: str) -> str:
+    return spread(xs, fmt, count=True)
 
 MODES = ("rtn", "stochastic", "error_feedback")
 LAST = 20
@@ -106,12 +114,6 @@ def figures(recs: list[dict], last: int, accuracy: float = float("nan")) -> dict
         "max_err_ulps": max(r["fair_cast/max_abs_err_ulps"] for r in recs),
         "lag_steps_logged": len(lag),
     }
-
-
-def spread(xs: list[float], fmt: str) -> str:
-    """`mean ± std [min, max]` (std: sample std; 0 with one value)."""
-    std = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{format(statistics.mean(xs), fmt)} ± {format(std, fmt)} [{format(min(xs), fmt)}, {format(max(xs), fmt)}]"
 
 
 COLUMNS = (("lag_all", "signed lag, all", ".2f"), ("abs_lag_all", "|lag|, all", ".2f"),
@@ -200,11 +202,11 @@ def report_real(jsonl: str, plot: str) -> None:
                                   for s in evals if any(s in r["evals"] for r in rs))
 
             def last(field):
-                return _runlog.spread([r["evals"][max(r["evals"])][field] for r in rs], ".2f")
+                return spread_n([r["evals"][max(r["evals"])][field] for r in rs], ".2f")
 
-            print(f"| {mode} | {len(rs)} | {_runlog.spread(vis, '.4f')} | {_runlog.spread(lag, '.1f')} | "
-                  f"{_runlog.spread([reward(r, 'first') for r in rs], '.2f')} -> "
-                  f"{_runlog.spread([reward(r, 'last') for r in rs], '.2f')} | {curve('heldout_sampled')} | "
+            print(f"| {mode} | {len(rs)} | {spread_n(vis, '.4f')} | {spread_n(lag, '.1f')} | "
+                  f"{spread_n([reward(r, 'first') for r in rs], '.2f')} -> "
+                  f"{spread_n([reward(r, 'last') for r in rs], '.2f')} | {curve('heldout_sampled')} | "
                   f"{curve('heldout_greedy')} | {last('heldout_sampled')} | {last('heldout_greedy')} |")
         for other in ("stochastic", "error_feedback"):
             pairs = [(a, b) for a in at["rtn"] for b in at[other] if a["key"]["seed"] == b["key"]["seed"]]
@@ -214,7 +216,7 @@ def report_real(jsonl: str, plot: str) -> None:
             for field in ("heldout_sampled", "heldout_greedy"):
                 d = [b["evals"][last][field] - a["evals"][last][field] for a, b in pairs]
                 print(f"{other} − rtn, {field} at step {last}, paired per seed: "
-                      f"{', '.join(f'{x:+.3f}' for x in d)}; {_runlog.spread(d, '+.3f')}")
+                      f"{', '.join(f'{x:+.3f}' for x in d)}; {spread_n(d, '+.3f')}")
                 if other == "stochastic" and field == "heldout_sampled" and lr == lrs[-1]:
                     headline = (lr, statistics.mean(d))
 

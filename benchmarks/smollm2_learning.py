@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_done(path: str | None, key: dict) -> dict[int, dict]:
@@ -38,7 +40,7 @@ def load_done(path: str | None, key: dict) -> dict[int, dict]:
 
 def report(path: str) -> None:
     """Held-out accuracy per step across seeds (mean ± sample std [min, max]) for each setting in ``path``."""
-    import statistics
+    from _runlog import spread
 
     rows = [json.loads(line) for line in open(path) if line.strip()]
     settings = sorted({(r["adapters"], r["lr"], r["prompts"]) for r in rows})
@@ -52,9 +54,7 @@ def report(path: str) -> None:
             at = [r for r in mine if r["step"] == step]
 
             def cell(key):
-                xs = [r[key] for r in at]
-                sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-                return f"{statistics.mean(xs):.2f} ± {sd:.2f} [{min(xs):.2f}, {max(xs):.2f}] (n={len(xs)})"
+                return spread([r[key] for r in at], ".2f", count=True)
 
             minutes = ", ".join(f"s{r['seed']}: {r['train_seconds_so_far'] / 60:.0f}"
                                 for r in sorted(at, key=lambda r: r["seed"]))
@@ -82,18 +82,19 @@ def main() -> None:
         return
 
     import torch
+    from _runlog import chat_math_heldout
     from transformers import AutoTokenizer, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
 
     import trl_fp8
+    from trl_fp8.app.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
     from trl_fp8.models import SMOLLM2, resolve_model
-    from trl_fp8.app.tasks.chat_math import (boxed_format_reward, chat_math_accuracy, correctness_reward,
-                                         make_chat_math_dataset)
 
     lr = args.lr if args.lr is not None else (5e-6 if args.adapters == "full" else 1e-4)
     key = {"adapters": args.adapters, "seed": args.seed, "lr": lr, "prompts": args.prompts}
     done = load_done(args.jsonl, key)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(SMOLLM2))
+    heldout = chat_math_heldout(tokenizer, args.eval_problems)
     start = time.perf_counter()
 
     def evaluate(model, step: int) -> None:
@@ -103,11 +104,9 @@ def main() -> None:
         model.eval()
         t0 = time.perf_counter()
         with torch.no_grad():
-            torch.manual_seed(10_000 + step)
-            sampled = chat_math_accuracy(model, tokenizer, args.eval_problems, seed=987, temperature=1.0)
-            greedy = chat_math_accuracy(model, tokenizer, args.eval_problems, seed=987, temperature=None)
+            figures = heldout(model, step)
         model.train(was)
-        row = {**key, "step": step, "heldout_sampled": sampled, "heldout_greedy": greedy,
+        row = {**key, "step": step, **figures,
                "eval_seconds": round(time.perf_counter() - t0, 1),
                "train_seconds_so_far": round(time.perf_counter() - start, 1)}
         done[step] = row

@@ -31,6 +31,8 @@ MOVED: dict[str, str] = {
 
 def new_name(fullname: str) -> str | None:
     """The current name of ``fullname`` (a module under an old name), or None when it was not moved."""
+    if not fullname.startswith("trl_fp8."):  # the finder sees every import of the process: leave others at once
+        return None
     for old, new in MOVED.items():
         if fullname == old or fullname.startswith(old + "."):
             return new + fullname[len(old):]
@@ -72,10 +74,6 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         new = new_name(fullname)
         return compile(f"import runpy\nrunpy.run_module({new!r}, run_name='__main__', alter_sys=True)\n",
                        f"<{fullname}: moved to {new}>", "exec")
-
-    def is_package(self, fullname):
-        spec = importlib.util.find_spec(new_name(fullname))
-        return spec.submodule_search_locations is not None
 
 
 def _importer_level() -> int:
