@@ -314,6 +314,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/duet_smollm2", help="--model smollm2: checkpoints")
     parser.add_argument("--report", action="store_true", help="--model smollm2: tables and plot from --jsonl")
     args = parser.parse_args()
+    if "grpo" not in args.arms:
+        parser.error("--arms must include grpo (the baseline of every ratio)")
     if args.model == "smollm2":
         main_real(args)
         return
@@ -326,8 +328,6 @@ def main() -> None:
         settings.update(steps=4, eval_every=2, pool=64, prompts=4, eval_problems=32)
     elif len(args.seeds) < 5:
         parser.error("give at least 5 seeds")
-    if "grpo" not in args.arms:
-        parser.error("--arms must include grpo (the baseline of every ratio)")
     methods = [m for m in METHODS if m in args.arms]
     target = settings["target"]
 

@@ -265,7 +265,7 @@ def main_real(args) -> None:
     steps = args.steps if args.steps is not None else REAL["steps"]
     for lr in args.lrs or [args.lr]:
         for seed in args.seeds:
-            for mode in MODES:  # interleaved per seed: paired runs finish together
+            for mode in [m for m in MODES if m in args.modes]:  # interleaved per seed: paired runs finish together
                 run_real(mode, seed, lr, steps, args.jsonl, args.output_dir, args.eval_every)
     report_real(args.jsonl, "fair_cast_reward_vs_step.png")
 
@@ -282,10 +282,14 @@ def main() -> None:
                         help="smollm2: the real model on chat_math, resumable (see above)")
     parser.add_argument("--lrs", type=float, nargs="+", help="--model smollm2: learning rates, one after another")
     parser.add_argument("--eval-every", type=int, default=REAL["eval_every"], help="--model smollm2")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="--model smollm2: the rounding rules to run (rtn, the baseline, must be one)")
     parser.add_argument("--jsonl", default=REAL_JSONL, help="--model smollm2: the raw records")
     parser.add_argument("--output-dir", default="runs/fair_cast_smollm2", help="--model smollm2: checkpoints")
     parser.add_argument("--report", action="store_true", help="--model smollm2: tables and plot from --jsonl")
     args = parser.parse_args()
+    if "rtn" not in args.modes:
+        parser.error("--modes must include rtn (the baseline every rule is compared with)")
     if args.model == "smollm2":
         main_real(args)
         return

@@ -53,3 +53,16 @@ def test_qlora_speed_rejects_bad_arguments(argv, message):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("fair_cast_lag.py", ["--model", "smollm2", "--modes", "stochastic"], "--modes must include rtn"),
+    ("duet_budget.py", ["--model", "smollm2", "--arms", "duet_0.5"], "--arms must include grpo"),
+])
+def test_real_model_benchmarks_refuse_a_run_without_its_baseline(tmp_path, script, argv, message):
+    # records and checkpoints under tmp_path: a run that were wrongly started would not touch benchmarks/results/
+    argv += ["--jsonl", str(tmp_path / "runs.jsonl"), "--output-dir", str(tmp_path / "runs")]
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *argv],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
