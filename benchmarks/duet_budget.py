@@ -229,18 +229,25 @@ def report_real(jsonl: str, target: float, plot: str) -> None:
         print(f"{arm} / grpo at equal steps, per seed: total tokens {spread(tok, '.3f')}; final accuracy difference "
               f"({arm} − grpo) {spread(dacc, '+.3f')}")
         for what, index in (("tokens", 1), ("seconds", 2)):
-            ratios, excluded = [], []
+            ratios, bounds, neither = [], [], []
             for sd in paired:
                 h, g = hits.get((arm, sd)), hits.get(("grpo", sd))
+                total = (curves[arm, sd]["tokens"], curves[arm, sd]["seconds"])[index - 1]
+                grpo_total = (curves["grpo", sd]["tokens"], curves["grpo", sd]["seconds"])[index - 1]
                 if h and g and g[index] > 0:
                     ratios.append(h[index] / g[index])
+                elif g and g[index] > 0:  # the arm did not reach the target: its whole run is a lower bound
+                    bounds.append(f"seed {sd} >= {total / g[index]:.2f}")
+                elif h:  # GRPO did not reach it within the run, the arm did: an upper bound
+                    bounds.append(f"seed {sd} <= {h[index] / grpo_total:.2f}")
                 else:
-                    excluded.append(str(sd))
+                    neither.append(str(sd))
             per_seed = ", ".join(f"{x:.2f}" for x in ratios) or "none"
-            print(f"{arm} / grpo {what} to target {target}, per seed: {per_seed};"
-                  f" {spread(ratios, '.2f')}" + (f"; excluded seeds {', '.join(excluded)} (a run that did not reach "
-                                                  "the target, or GRPO there at step 0)" if excluded else ""))
-            if arm == "duet_0.5" and what == "tokens" and ratios:
+            print(f"{arm} / grpo {what} to target {target}, per seed where both reached it: {per_seed};"
+                  f" {spread(ratios, '.2f')}"
+                  + (f"; reached by one of the two only (bounds): {', '.join(bounds)}" if bounds else "")
+                  + (f"; seeds {', '.join(neither)}: neither reached it (or GRPO at step 0)" if neither else ""))
+            if arm == "duet_0.5" and what == "tokens" and ratios and not bounds:
                 headline = statistics.mean(ratios)
 
     import matplotlib

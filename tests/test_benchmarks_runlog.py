@@ -103,5 +103,33 @@ def test_duet_report_counts_tokens_to_target(tmp_path, capsys):
     out = capsys.readouterr().out
     # both reach 0.6 at the second evaluation: tokens to target are 2 * every steps' tokens
     assert f"| grpo | 0 | {800 * every:,.0f} | {20 * every:.0f} | {2 * every} |" in out
-    assert "duet_0.5 / grpo tokens to target 0.6, per seed: 0.38, 0.38, 0.38;" in out
+    assert "duet_0.5 / grpo tokens to target 0.6, per seed where both reached it: 0.38, 0.38, 0.38;" in out
     assert out.rstrip().splitlines()[-1] == "duet05_tokens_to_target_over_grpo: 0.38"
+
+
+def test_duet_report_bounds_a_seed_that_missed_the_target(tmp_path, capsys):
+    """A seed where DUET never reached the target is not dropped from the ratio: it is a lower bound, and the
+    headline is then n/a rather than a mean over the seeds that flatter it."""
+    import duet_budget
+
+    path = str(tmp_path / "d.jsonl")
+    every = duet_budget.REAL["eval_every"]
+    for seed in range(3):
+        for arm in ("grpo", "duet_0.5"):
+            key = {"bench": "duet", "model": "trl-fp8:smollm2", "arm": arm, "seed": seed, "steps": 2 * every,
+                   "pool": 16}
+            recs = [{**key, "kind": "start", "from_step": 0},
+                    {**key, "kind": "eval", "step": 0, "heldout_sampled": 0.3}]
+            for s in range(1, 2 * every + 1):
+                recs.append({**key, "kind": "step", "step": s, "seconds": 10.0,
+                             "rewards/correctness_reward/mean": 0.5, "completions/mean_length": 25.0,
+                             **({"duet/tokens": 200.0} if arm != "grpo" else {})})
+            last = 0.5 if (arm, seed) == ("duet_0.5", 2) else 0.7  # seed 2: DUET stays below 0.6
+            recs += [{**key, "kind": "eval", "step": every, "heldout_sampled": 0.5},
+                     {**key, "kind": "eval", "step": 2 * every, "heldout_sampled": last}, {**key, "kind": "done"}]
+            write(path, recs)
+    duet_budget.report_real(path, 0.6, str(tmp_path / "rt.png"))
+    out = capsys.readouterr().out
+    assert "per seed where both reached it: 0.50, 0.50;" in out
+    assert "reached by one of the two only (bounds): seed 2 >= 0.50" in out
+    assert out.rstrip().splitlines()[-1] == "duet05_tokens_to_target_over_grpo: n/a"
