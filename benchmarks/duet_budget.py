@@ -54,7 +54,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runlog import spread  # noqa: E402  (the benchmarks' one way to state a figure over seeds)
 
 METHODS = {"grpo": {}, "duet_1.0": {"duet": True, "duet_budget": 1.0}, "duet_0.5": {"duet": True, "duet_budget": 0.5},
-           "duet_0.3": {"duet": True, "duet_budget": 0.3}}
+           "duet_0.3": {"duet": True, "duet_budget": 0.3},
+           # shrinkage of each prompt's informativeness towards the mean of all groups (duet_prior_strength): run on
+           # request (--arms), not by default
+           "duet_0.5_shrink": {"duet": True, "duet_budget": 0.5, "duet_prior_strength": 1.0}}
+DEFAULT_ARMS = ["grpo", "duet_1.0", "duet_0.5", "duet_0.3"]
 # Per task: prompts per step, slots per prompt, learning rate, steps, problem pool, eval cadence, held-out problems,
 # target accuracy. The reasoning task's rollouts are ~15x longer, so its runs are smaller to fit 20 runs on 2 cores.
 TASKS = {
@@ -256,7 +260,7 @@ def report_real(jsonl: str, target: float, plot: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4))
-    for arm, color in zip(METHODS, ("C0", "C1", "C2", "C3")):
+    for arm, color in zip(METHODS, ("C0", "C1", "C2", "C3", "C4")):
         cs = [curves[arm, sd] for sd in seeds if (arm, sd) in curves]
         if not cs:
             continue
@@ -312,7 +316,7 @@ def main() -> None:
     parser.add_argument("--pool", type=int, help="distinct training problems (prompts recur); default: per task")
     parser.add_argument("--eval-every", type=int, help="default: per task")
     parser.add_argument("--target", type=float, help="held-out sampled accuracy to reach; default: per task")
-    parser.add_argument("--arms", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--arms", nargs="+", choices=list(METHODS), default=DEFAULT_ARMS)
     parser.add_argument("--output", default="duet_budget.png")
     parser.add_argument("--quick", action="store_true", help="smoke run: seed 0, 4 steps (not meaningful)")
     parser.add_argument("--model", choices=["embedded", "smollm2"], default="embedded",

@@ -115,3 +115,21 @@ def test_quickstart_shape_learns(tmp_path, demo_dir):
     assert all(h["duet/rollouts_per_prompt/min"] in (0.0, 2.0) for h in logs)
     assert all(h["duet/rollouts_per_prompt/max"] <= 3 for h in logs)
     assert any(h["duet/prompts_without_rollouts_frac"] > 0 for h in logs)
+
+
+def test_prior_strength_gives_a_once_silent_prompt_its_group_again():
+    """The failure seen on SmolLM2 (2 prompts a step, β = 0.5): both prompts of a step had shown one zero-variance
+    group of 4, so DUET planned no rollout at all (a wasted step) or one prompt only. With shrinkage they are planned
+    from the mean of all observed groups, and the step spends its budget."""
+    plans = {0.0: [], 1.0: []}
+    for k in plans:
+        for seed in range(50):  # one step each: the first visit after the zero (the re-probe floor comes later)
+            c = DuetController(budget=0.5, slots=8, n_min=2, seed=seed, default_length=20.0, prior_strength=k)
+            c.stats.update("other", 5.0, [20, 20])  # an informative group elsewhere in the pool
+            for key in ("a", "b"):
+                c.stats.update(key, 0.0, [20] * 4)
+            plans[k].append(c.plan(["a", "b"]))
+    # unshrunk: each prompt is drawn with the propensity floor only (0.05), so almost every step plans nothing
+    assert sum(int(p.counts.sum()) == 0 for p in plans[0.0]) >= 40
+    # shrunk: both prompts are alike, each gets the group the budget buys (0.5 x 2 prompts x 8 = 8 rollouts)
+    assert all(p.counts.tolist() == [4, 4] for p in plans[1.0])

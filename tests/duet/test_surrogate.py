@@ -40,6 +40,37 @@ def test_reprobe_flag_after_stale_allocations():
     assert st.lookup(["z"])[3].item() is False
 
 
+def test_shrinkage_towards_the_mean_of_all_observed_groups():
+    st = PromptStats(prior_s=1.0, prior_strength=1.0)
+    assert st.lookup(["new"])[0].tolist() == [1.0]  # nothing observed yet: the cold prior
+    st.update("zero", 0.0, [5, 5])  # one group whose rewards all agreed
+    st.update("busy", 6.0, [5, 5])
+    st.update("busy", 2.0, [5, 5])  # busy: mean 4 over 2 groups; all groups: mean (0 + 6 + 2) / 3
+    m = 8.0 / 3
+    s = st.lookup(["zero", "busy", "cold"])[0].tolist()
+    assert s == pytest.approx([(0.0 + m) / 2, (2 * 4.0 + m) / 3, m])
+    assert s[0] > 0  # one zero-variance group no longer silences the prompt
+    unshrunk = PromptStats(prior_s=1.0)
+    for key, v in (("zero", 0.0), ("busy", 6.0), ("busy", 2.0)):
+        unshrunk.update(key, v, [5, 5])
+    assert unshrunk.lookup(["zero", "busy", "cold"])[0].tolist() == [0.0, 4.0, 1.0]  # k = 0: as before
+    with pytest.raises(ValueError, match="prior_strength must be >= 0, got -1"):
+        PromptStats(prior_strength=-1)
+
+
+def test_shrinkage_state_round_trips_and_old_states_load():
+    st = PromptStats(prior_strength=2.0)
+    st.update("a", 3.0, [4, 6])
+    state = st.state_dict()
+    assert state["groups"] == 1 and state["mean_all"] == 3.0
+    again = PromptStats(prior_strength=2.0)
+    again.load_state_dict(state)
+    assert again.lookup(["a", "b"])[0].tolist() == st.lookup(["a", "b"])[0].tolist() == [3.0, 3.0]
+    old = {k: v for k, v in state.items() if k not in ("groups", "mean_all")}  # written before shrinkage
+    again.load_state_dict(old)
+    assert again.groups == 0 and again.lookup(["b"])[0].tolist() == [1.0]
+
+
 def test_length_quantiles_refit_schedule():
     q = LengthQuantiles(refit_every=10, min_count=4)
     q.step()

@@ -119,6 +119,9 @@ def test_stopped_rows_generate_no_more_tokens(tiny_model_dir):
         ({"duet_abort_keep_prob": 0.0}, "duet_abort_keep_prob must be in \\(0, 1\\]"),
         ({"duet_min_propensity": 2.0}, "duet_min_propensity must be in \\(0, 1\\]"),
         ({"duet_max_weight": 0.5}, "duet_max_weight must be >= 1"),
+        ({"duet_prior_strength": -1.0}, "duet_prior_strength must be a finite number >= 0 \\(pseudo-groups; 0 = no "
+                                        "shrinkage\\), got -1.0."),
+        ({"duet_prior_strength": float("inf")}, "duet_prior_strength must be a finite number >= 0"),
         ({"use_vllm": True, "vllm_mode": "server"}, "needs vllm_mode=.colocate."),
     ],
 )

@@ -52,6 +52,12 @@ class DuetArgs:
     duet_max_weight: float = field(
         default=1000.0, metadata={"help": "trl_fp8: DUET cap of the importance weight (>= 1)."}
     )
+    duet_prior_strength: float = field(
+        default=0.0,
+        metadata={"help": "trl_fp8: DUET shrinkage of a prompt's informativeness towards the mean over all observed "
+                  "groups, in pseudo-groups (>= 0; 0: none). With k > 0 one zero-variance group no longer keeps a "
+                  "prompt from rollouts, and cold prompts get the observed mean instead of 1.0."},
+    )
     duet_abort_grace: int | None = field(
         default=None,
         metadata={"help": "trl_fp8: DUET tokens past K2 before a marker-less rollout is aborted; default (None): "
@@ -76,7 +82,7 @@ class Duet(Capability):
     state_file = "duet_state.pt"
     state_required = False  # checkpoints of earlier trl_fp8 versions have none: the controller then starts afresh
     resume_fields = ("duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
-                     "duet_min_propensity", "duet_max_weight", "duet_abort_grace")
+                     "duet_min_propensity", "duet_max_weight", "duet_abort_grace", "duet_prior_strength")
     conflicts = (Conflict("use_transformers_continuous_batching", "DUET plans and stops each rollout on the "
                           "default transformers generation path (or a colocated vLLM engine)."),)
     engines = {
@@ -118,6 +124,10 @@ class Duet(Capability):
         if isinstance(args.duet_max_weight, bool) or not isinstance(args.duet_max_weight, (int, float)) or \
                 not args.duet_max_weight >= 1:
             raise ValueError(f"duet_max_weight must be >= 1, got {args.duet_max_weight!r}.")
+        if isinstance(args.duet_prior_strength, bool) or not isinstance(args.duet_prior_strength, (int, float)) or \
+                not 0 <= args.duet_prior_strength < float("inf"):
+            raise ValueError(f"duet_prior_strength must be a finite number >= 0 (pseudo-groups; 0 = no shrinkage), "
+                             f"got {args.duet_prior_strength!r}.")
         if not args.duet:
             return
         if args.use_vllm:  # DUET steps the engine itself (trl_fp8.duet.vllm): it must live in this process
@@ -143,7 +153,7 @@ class Duet(Capability):
             budget=a.duet_budget, slots=trainer.num_generations, n_min=a.duet_n_min, n_max=a.duet_n_max,
             markers=a.duet_markers, keep_prob=a.duet_abort_keep_prob, min_propensity=a.duet_min_propensity,
             max_weight=a.duet_max_weight, seed=a.seed, default_length=float(trainer.max_completion_length),
-            grace=abort_grace(a.duet_abort_grace, trainer.max_completion_length),
+            grace=abort_grace(a.duet_abort_grace, trainer.max_completion_length), prior_strength=a.duet_prior_strength,
         )
         self.batch = None
         self.last_weights = None  # the latest batch's importance weights (global, and this rank's slice)

@@ -48,7 +48,8 @@ class BatchPlan:
 class DuetController:
     def __init__(self, budget: float, slots: int, n_min: int = 2, n_max: int | None = None, markers=("math",),
                  keep_prob: float = 0.05, min_propensity: float = 0.05, max_weight: float = 1000.0,
-                 seed: int = 0, default_length: float = 64.0, margin_threshold: float = 0.9, grace: int = 150):
+                 seed: int = 0, default_length: float = 64.0, margin_threshold: float = 0.9, grace: int = 150,
+                 prior_strength: float = 0.0):
         self.budget = budget
         self.slots = slots
         self.n_min = n_min
@@ -59,7 +60,7 @@ class DuetController:
         self.min_propensity = min_propensity
         self.max_weight = max_weight
         self.margin_threshold = margin_threshold
-        self.stats = PromptStats(default_length=default_length)
+        self.stats = PromptStats(default_length=default_length, prior_strength=prior_strength)
         self.quantiles = LengthQuantiles()
         self.rng = random.Random(seed)
 

@@ -4,6 +4,12 @@ Pure Python/PyTorch, no TRL. Informativeness of a group of rollouts is the stand
 ``g_i = Ā_i · Σ_t log π_old(y_i,t)`` (token-mean advantage times summed log-probability): zero when all
 rewards in the group agree. Warm prompts keep a running (Welford) mean of it and of their kept lengths, keyed by
 prompt id in a bounded LRU table; cold prompts get a prior.
+
+With ``prior_strength`` k > 0 a prompt's estimate is shrunk towards the mean over every group observed so far
+(``m``): ``(count * mean + k * m) / (count + k)``, and a cold prompt gets ``m``. One group of a few rollouts is a
+noisy estimate -- with 4 rollouts a prompt of pass rate 0.5 shows zero variance one time in eight -- and without
+shrinkage a single zero keeps a prompt at (almost) no rollouts until it is re-probed; the cold prior 1.0 is also on
+another scale than the observed values. k = 0 is the unshrunk estimate.
 """
 
 from __future__ import annotations
@@ -40,11 +46,16 @@ class PromptStats:
     """
 
     def __init__(self, capacity: int = 100_000, prior_s: float = 1.0, default_length: float = 64.0,
-                 reprobe_every: int = 4):
+                 reprobe_every: int = 4, prior_strength: float = 0.0):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if not prior_strength >= 0:
+            raise ValueError(f"prior_strength must be >= 0, got {prior_strength}")
         self.capacity = capacity
         self.prior_s = float(prior_s)
+        self.prior_strength = float(prior_strength)
+        self.groups = 0  # groups observed in all, and the mean of their informativeness: the shrinkage target
+        self.mean_all = 0.0
         self.default_length = float(default_length)
         self.reprobe_every = int(reprobe_every)
         self._table: OrderedDict[str, _Entry] = OrderedDict()
@@ -60,6 +71,8 @@ class PromptStats:
         """Record one observed group (>= 2 kept rollouts) of prompt ``key``."""
         if len(lengths) < 2:
             return
+        self.groups += 1
+        self.mean_all += (s - self.mean_all) / self.groups
         e = self._table.pop(key, None) or _Entry()
         e.count += 1
         e.mean_s += (s - e.mean_s) / e.count
@@ -84,6 +97,8 @@ class PromptStats:
         return {
             "table": [[key, e.count, e.mean_s, e.mean_len, e.since_update] for key, e in self._table.items()],
             "recent_lengths": list(self._recent_lengths),
+            "groups": self.groups,
+            "mean_all": self.mean_all,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -92,21 +107,25 @@ class PromptStats:
             for key, count, mean_s, mean_len, since in state["table"]
         )
         self._recent_lengths = list(state["recent_lengths"])
+        self.groups = int(state.get("groups", 0))  # absent in checkpoints written before shrinkage: start afresh
+        self.mean_all = float(state.get("mean_all", 0.0))
 
     def lookup(self, keys: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(s, L, warm, reprobe) tensors for ``keys``; counts one allocation for each warm key."""
         s, lengths, warm, reprobe = [], [], [], []
+        k = self.prior_strength
+        shrink = k > 0 and self.groups > 0
         for key in keys:
             e = self._table.get(key)
             if e is None:
-                s.append(self.prior_s)
+                s.append(self.mean_all if shrink else self.prior_s)
                 lengths.append(self.cold_length())
                 warm.append(False)
                 reprobe.append(False)
                 continue
             self._table.move_to_end(key)
             e.since_update += 1
-            s.append(e.mean_s)
+            s.append((e.count * e.mean_s + k * self.mean_all) / (e.count + k) if shrink else e.mean_s)
             lengths.append(max(e.mean_len, 1.0))
             warm.append(True)
             reprobe.append(self.reprobe_every > 0 and e.since_update > self.reprobe_every)
