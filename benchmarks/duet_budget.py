@@ -138,6 +138,7 @@ def first_reaching(evals, target):
 
 REAL = dict(prompts=2, slots=8, lr=5e-6, steps=20, pool=16, eval_every=4, eval_problems=48, target=0.6)
 REAL_KEYS = ("bench", "model", "arm", "seed", "steps", "pool")
+REWARD_KEY = "rewards/correctness_reward/mean"
 REAL_JSONL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "duet_smollm2.jsonl")
 
 
@@ -270,13 +271,14 @@ def report_real(jsonl: str, target: float, plot: str) -> None:
                  label=f"{arm} (mean of {len(cs)} seeds)")
         for c in cs:
             ax1.plot([p[1] for p in c["points"]], [p[3] for p in c["points"]], color=color, alpha=0.3, lw=1)
-            steps_ = sorted(c["run"]["steps"])
-            cum, xs = 0.0, []
-            for st in steps_:
-                cum += step_tokens(c["run"]["steps"][st], rows)
-                xs.append(cum)
-            ax2.plot(xs, [c["run"]["steps"][st]["rewards/correctness_reward/mean"] for st in steps_], color=color,
-                     alpha=0.5, lw=1, label=arm if c is cs[0] else None)
+            cum, xs, ys = 0.0, [], []
+            for st in sorted(c["run"]["steps"]):
+                rec = c["run"]["steps"][st]
+                cum += step_tokens(rec, rows)
+                if REWARD_KEY in rec:  # a step where DUET planned no rollout logs no reward
+                    xs.append(cum)
+                    ys.append(rec[REWARD_KEY])
+            ax2.plot(xs, ys, color=color, alpha=0.5, lw=1, label=arm if c is cs[0] else None)
     ax1.axhline(target, color="grey", ls="--", lw=1)
     ax1.set(xlabel="rollout tokens generated", ylabel="held-out sampled accuracy",
             title=f"SmolLM2 chat_math: DUET vs GRPO ({len(seeds)} seeds)")
