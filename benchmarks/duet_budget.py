@@ -20,8 +20,9 @@ figures, over all seeds otherwise. A PNG shows accuracy against rollout tokens.
     python benchmarks/duet_budget.py --quick [--task reasoning]   # smoke run: 1 seed x 4 steps, not meaningful
 
 Last line: `duet05_tokens_to_target_over_grpo: <number>` -- per seed, DUET β=0.5's rollout tokens to target over
-GRPO's (same seed), the mean over the seeds where both reached it (goal <= 0.5); its spread and the number of
-seeds excluded are on the line before, with the same figure for β=1.0 and β=0.3 and for wall-clock.
+GRPO's (same seed), the mean over the seeds where both reached it (goal <= 0.5), or `n/a` when on some seed only one
+of the two did (that seed is then a bound, printed on the line before with the spread; same lines for the other arms
+and for wall-clock).
 
 **On the real model** (``--model smollm2``: SmolLM2-135M-Instruct on ``chat_math``, full fine-tuning, fp32 like
 ``benchmarks/smollm2_learning.py``, lr 5e-6 constant, 2 prompts x 8 slots from a pool of ``--pool`` problems so
@@ -136,6 +137,29 @@ def first_reaching(evals, target):
     return None
 
 
+def paired_to_target(arm: str, what: str, target: float, rows) -> tuple[str, list[float], bool]:
+    """``arm``'s ``what`` ("tokens" or "seconds") to ``target`` over GRPO's, per seed, from ``rows`` of ``(seed, arm
+    hit, grpo hit, arm run total, grpo run total)`` (a hit: ``(step, tokens, seconds, acc)`` or None). Where both
+    reached the target, a ratio; where one only did, a bound from the other's whole run -- a seed is never dropped
+    silently. Returns the report line, the ratios, and whether some seed gave only a bound."""
+    index = {"tokens": 1, "seconds": 2}[what]
+    ratios, bounds, neither = [], [], []
+    for seed, h, g, total, grpo_total in rows:
+        if h and g and g[index] > 0:
+            ratios.append(h[index] / g[index])
+        elif g and g[index] > 0:  # the arm did not reach the target: its whole run is a lower bound
+            bounds.append(f"seed {seed} >= {total / g[index]:.2f}")
+        elif h and grpo_total > 0:  # GRPO did not reach it within the run, the arm did: an upper bound
+            bounds.append(f"seed {seed} <= {h[index] / grpo_total:.2f}")
+        else:
+            neither.append(str(seed))
+    line = (f"{arm} / grpo {what} to target {target}, per seed where both reached it: "
+            f"{', '.join(f'{x:.2f}' for x in ratios) or 'none'}; {spread(ratios, '.2f')}"
+            + (f"; reached by one of the two only (bounds): {', '.join(bounds)}" if bounds else "")
+            + (f"; seeds {', '.join(neither)}: neither reached it (or GRPO at step 0)" if neither else ""))
+    return line, ratios, bool(bounds)
+
+
 REAL = dict(prompts=2, slots=8, lr=5e-6, steps=20, pool=16, eval_every=4, eval_problems=48, target=0.6)
 REAL_KEYS = ("bench", "model", "arm", "seed", "steps", "pool")
 REWARD_KEY = "rewards/correctness_reward/mean"
@@ -233,26 +257,12 @@ def report_real(jsonl: str, target: float, plot: str) -> None:
         dacc = [curves[arm, sd]["points"][-1][3] - curves["grpo", sd]["points"][-1][3] for sd in paired]
         print(f"{arm} / grpo at equal steps, per seed: total tokens {spread(tok, '.3f')}; final accuracy difference "
               f"({arm} − grpo) {spread(dacc, '+.3f')}")
-        for what, index in (("tokens", 1), ("seconds", 2)):
-            ratios, bounds, neither = [], [], []
-            for sd in paired:
-                h, g = hits.get((arm, sd)), hits.get(("grpo", sd))
-                total = (curves[arm, sd]["tokens"], curves[arm, sd]["seconds"])[index - 1]
-                grpo_total = (curves["grpo", sd]["tokens"], curves["grpo", sd]["seconds"])[index - 1]
-                if h and g and g[index] > 0:
-                    ratios.append(h[index] / g[index])
-                elif g and g[index] > 0:  # the arm did not reach the target: its whole run is a lower bound
-                    bounds.append(f"seed {sd} >= {total / g[index]:.2f}")
-                elif h:  # GRPO did not reach it within the run, the arm did: an upper bound
-                    bounds.append(f"seed {sd} <= {h[index] / grpo_total:.2f}")
-                else:
-                    neither.append(str(sd))
-            per_seed = ", ".join(f"{x:.2f}" for x in ratios) or "none"
-            print(f"{arm} / grpo {what} to target {target}, per seed where both reached it: {per_seed};"
-                  f" {spread(ratios, '.2f')}"
-                  + (f"; reached by one of the two only (bounds): {', '.join(bounds)}" if bounds else "")
-                  + (f"; seeds {', '.join(neither)}: neither reached it (or GRPO at step 0)" if neither else ""))
-            if arm == "duet_0.5" and what == "tokens" and ratios and not bounds:
+        for what in ("tokens", "seconds"):
+            per_seed = [(sd, hits.get((arm, sd)), hits.get(("grpo", sd)), curves[arm, sd][what],
+                         curves["grpo", sd][what]) for sd in paired]
+            line, ratios, bounded = paired_to_target(arm, what, target, per_seed)
+            print(line)
+            if arm == "duet_0.5" and what == "tokens" and ratios and not bounded:
                 headline = statistics.mean(ratios)
 
     import matplotlib
@@ -405,20 +415,13 @@ def main() -> None:
 
     headline = None
     for method in [m for m in methods if m != "grpo"]:
-        for what, index in (("tokens", 1), ("seconds", 2)):
-            ratios, excluded = [], []
-            for seed, h, g in zip(args.seeds, hits[method], hits["grpo"]):
-                if h is not None and g is not None and g[index] > 0:  # both reached, measured nonzero denominator
-                    ratios.append(h[index] / g[index])
-                else:
-                    missing = [name for name, x in ((method, h), ("grpo", g)) if x is None]
-                    excluded.append(f"seed {seed}: " + (f"{' and '.join(missing)} never reached the target"
-                                                        if missing else "grpo reached it at step 0"))
-            why = f"; {len(excluded)} excluded ({'; '.join(excluded)})" if excluded else "; 0 excluded"
-            print(f"{method} / grpo {what} to target, per seed: {', '.join(f'{x:.2f}' for x in ratios) or 'none'}; "
-                  f"{spread(ratios, '.2f')} over {len(ratios)} seeds{why}")
+        for what, total in (("tokens", "tokens"), ("seconds", "train_time")):
+            per_seed = [(seed, h, g, r[total], b[total])
+                        for seed, h, g, r, b in zip(args.seeds, hits[method], hits["grpo"], results[method], base)]
+            line, ratios, bounded = paired_to_target(method, what, target, per_seed)
+            print(line)
             if method == "duet_0.5" and what == "tokens":
-                headline = statistics.mean(ratios) if ratios else None
+                headline = statistics.mean(ratios) if ratios and not bounded else None
     print(f"duet05_tokens_to_target_over_grpo: {headline:.2f}" if headline is not None
           else "duet05_tokens_to_target_over_grpo: n/a")
 

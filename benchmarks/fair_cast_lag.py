@@ -27,8 +27,8 @@ ratio and is reported as excluded.
 **On the real model** (``--model smollm2``: SmolLM2-135M-Instruct on ``chat_math``, full fine-tuning, TRL's default
 ``bf16=True`` -- bf16 autocast over fp32 masters, the bf16 served copy generating every rollout -- 2 prompts x 8
 generations, completions <= 96 tokens, AdamW constant, checks off so only the export rule differs) the runs are long
-(a median step of 14 s on 2 cores, ~10 minutes a run with its evaluations), so they are resumable: each (lr, seed, rule) run checkpoints every ``--eval-every`` steps
-under ``--output-dir`` and resumes with ``resume_from_checkpoint="auto"``; every step's logged metrics and every
+(a median step of 14-20 s on 2 cores, ~10 minutes a 20-step run with its evaluations), so they are resumable: each
+(lr, seed, rule) run checkpoints every ``--eval-every`` steps under ``--output-dir`` and resumes with ``resume_from_checkpoint="auto"``; every step's logged metrics and every
 held-out evaluation (the served policy — between steps the learner holds the served values — 48 problems, sampled
 t = 1 and greedy, at step 0 and every ``--eval-every`` steps)
 are appended to ``--jsonl`` as they happen (``benchmarks/_runlog.py``); finished runs are skipped. Rerun the same
@@ -38,6 +38,7 @@ per rule) and the last line
 ``sr_minus_rtn_heldout_at_<lr>: <mean over seeds>`` (held-out sampled accuracy at the last evaluated step, paired).
 
     python benchmarks/fair_cast_lag.py --model smollm2 --lrs 5e-6 1e-6 --seeds 0 1 2 --steps 20
+    python benchmarks/fair_cast_lag.py --model smollm2 --lrs 1e-6 --modes rtn stochastic --steps 30 --eval-every 10
     python benchmarks/fair_cast_lag.py --model smollm2 --report
 """
 
