@@ -144,7 +144,7 @@ def spread(xs, fmt: str, count: bool = False) -> str:
     if not xs:
         return "n/a"
     std = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    text = (f"{format(statistics.mean(xs), fmt)} ± {format(std, fmt)} [{format(min(xs), fmt)}, "
+    text = (f"{format(statistics.mean(xs), fmt)} ± {format(std, fmt.replace('+', ''))} [{format(min(xs), fmt)}, "
             f"{format(max(xs), fmt)}]")
     return f"{text} (n={len(xs)})" if count else text
 

@@ -181,18 +181,20 @@ def report_real(jsonl: str, plot: str) -> None:
               "std [min, max] over seeds, and the mean over seeds at each held-out evaluation (48 problems)")
         evals = sorted({s for rs in at.values() for r in rs for s in r["evals"]})
         marks = " / ".join(str(s) for s in evals)
-        print("| rule | seeds | visible update frac | mean \\|lag\\| (steps) | training reward, first 5 steps -> "
+        print("| rule | seeds | visible update frac | mean \\|lag\\| (steps) | signed lag, last 5 steps | "
+              "training reward, first 5 steps -> "
               f"last 5 | held-out sampled at step {marks} | held-out greedy at step {marks} | sampled, last step | "
               "greedy, last step |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for mode in MODES:
             rs = at[mode]
             if not rs:
                 continue
             vis = [statistics.mean(x["fair_cast/visible_update_frac"] for x in r["steps"].values()) for r in rs]
-            lag = [statistics.mean(abs(x["fair_cast/lag_steps"]) for x in r["steps"].values()
-                                   if x.get("fair_cast/lag_steps") is not None) for r in rs
-                   if any(x.get("fair_cast/lag_steps") is not None for x in r["steps"].values())]
+            lags = [[r["steps"][s]["fair_cast/lag_steps"] for s in sorted(r["steps"])
+                     if r["steps"][s].get("fair_cast/lag_steps") is not None] for r in rs]
+            lag = [statistics.mean(abs(x) for x in xs) for xs in lags if xs]
+            signed = [statistics.mean(xs[-5:]) for xs in lags if xs]
 
             def reward(r, which):
                 xs = [r["steps"][s][REWARD] for s in sorted(r["steps"])]
@@ -206,7 +208,7 @@ def report_real(jsonl: str, plot: str) -> None:
                 return spread_n([r["evals"][max(r["evals"])][field] for r in rs], ".2f")
 
             print(f"| {mode} | {len(rs)} | {spread_n(vis, '.4f')} | {spread_n(lag, '.1f')} | "
-                  f"{spread_n([reward(r, 'first') for r in rs], '.2f')} -> "
+                  f"{spread_n(signed, '+.1f')} | {spread_n([reward(r, 'first') for r in rs], '.2f')} -> "
                   f"{spread_n([reward(r, 'last') for r in rs], '.2f')} | {curve('heldout_sampled')} | "
                   f"{curve('heldout_greedy')} | {last('heldout_sampled')} | {last('heldout_greedy')} |")
         for other in ("stochastic", "error_feedback"):

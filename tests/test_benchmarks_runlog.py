@@ -56,7 +56,7 @@ def _fair_cast_records(lr, seed, mode, reward):
     for s in range(1, 5):
         recs.append({**key, "kind": "step", "step": s, "seconds": 30.0, "rewards/correctness_reward/mean": reward * s,
                      "fair_cast/visible_update_frac": 0.01 if mode == "rtn" else 0.3,
-                     "fair_cast/lag_steps": None if s == 1 else 2.0})
+                     "fair_cast/lag_steps": None if s == 1 else (-2.0 if mode == "rtn" else 0.5)})
     recs += [{**key, "kind": "eval", "step": s, "heldout_sampled": reward * s, "heldout_greedy": 0.5}
              for s in (0, 2, 4)]
     return recs + [{**key, "kind": "done"}]
@@ -71,7 +71,10 @@ def test_fair_cast_report_pairs_rules_per_seed(tmp_path, capsys):
             write(path, _fair_cast_records(5e-6, seed, mode, reward))
     fair_cast_lag.report_real(path, str(tmp_path / "fc.png"))
     out = capsys.readouterr().out
-    assert "| rtn | 3 | 0.0100 ± 0.0000 [0.0100, 0.0100] (n=3) |" in out
+    # visible fraction, mean |lag| and the signed lag of the last steps, over 3 seeds
+    assert ("| rtn | 3 | 0.0100 ± 0.0000 [0.0100, 0.0100] (n=3) | 2.0 ± 0.0 [2.0, 2.0] (n=3) | "
+            "-2.0 ± 0.0 [-2.0, -2.0] (n=3) |") in out
+    assert "| stochastic | 3 | 0.3000 ± 0.0000 [0.3000, 0.3000] (n=3) | 0.5 ± 0.0 [0.5, 0.5] (n=3) | +0.5 " in out
     assert "| 0.00 / 0.20 / 0.40 |" in out  # rtn's held-out sampled at steps 0, 2, 4 (mean over seeds)
     assert "stochastic − rtn, heldout_sampled at step 4, paired per seed: +0.200, +0.200, +0.200" in out
     assert out.rstrip().splitlines()[-1] == "sr_minus_rtn_heldout_at_5e-06: +0.200"
