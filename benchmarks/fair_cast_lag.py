@@ -125,10 +125,54 @@ COLUMNS = (("lag_all", "signed lag, all", ".2f"), ("abs_lag_all", "|lag|, all", 
 
 REAL = dict(prompts=2, slots=8, steps=20, eval_every=5, eval_problems=48)
 REAL_KEYS = ("bench", "model", "lr", "seed", "mode", "steps")
+# Where the fp32 master starts: the checkpoint as loaded (Q4_1-dequantized float32, mostly *off* the bf16 grid), or
+# those weights rounded to nearest bf16 -- as a bf16 checkpoint (SmolLM2's own release) loads into fp32 masters.
+INITS = {"checkpoint": "trl-fp8:smollm2", "bf16_grid": "trl-fp8:smollm2-bf16grid"}
+INIT_OF_MODEL = {v: k for k, v in INITS.items()}
+
+
+def on_bf16_grid(tensors) -> float:
+    """Fraction of the floating-point elements of ``tensors`` (name -> tensor) exactly representable in bf16."""
+    import torch
+
+    on = total = 0
+    for t in tensors.values():
+        if t.is_floating_point():
+            on += (t.to(torch.bfloat16).float() == t.float()).sum().item()
+            total += t.numel()
+    return on / max(total, 1)
+
+
+def bf16_grid_model(src: str, dst: str) -> str:
+    """A copy of the model folder ``src`` at ``dst`` whose floating-point weights are rounded to nearest bf16 (kept
+    in float32, so the trainer's fp32 masters start exactly on the bf16 grid). Written to a temp name, then renamed;
+    an existing ``dst`` is reused (the rounding is deterministic)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if os.path.isfile(os.path.join(dst, "model.safetensors")):
+        return dst
+    weights = os.path.join(src, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise SystemExit(f"{src}: no model.safetensors to round onto the bf16 grid")
+    tmp = dst + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("model.safetensors"))
+    state = load_file(weights)
+    before = on_bf16_grid(state)
+    state = {k: t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() else t for k, t in state.items()}
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    os.replace(tmp, dst)
+    print(f"{dst}: weights rounded to nearest bf16 ({before:.1%} of the checkpoint's elements were on the bf16 grid,"
+          f" now {on_bf16_grid(state):.0%})")
+    return dst
 REAL_JSONL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fair_cast_smollm2.jsonl")
 
 
-def run_real(mode: str, seed: int, lr: float, steps: int, jsonl: str, output_dir: str, eval_every: int) -> None:
+def run_real(mode: str, seed: int, lr: float, steps: int, jsonl: str, output_dir: str, eval_every: int,
+             init: str = "checkpoint") -> None:
     """One resumable SmolLM2 run (see the module docstring); returns at once if ``jsonl`` says it is done."""
     import _runlog
     from transformers.trainer_callback import PrinterCallback
@@ -136,10 +180,13 @@ def run_real(mode: str, seed: int, lr: float, steps: int, jsonl: str, output_dir
     import trl_fp8
     from trl_fp8.app.demo.tasks import demo_task
 
-    key = {"bench": "fair_cast", "model": "trl-fp8:smollm2", "lr": lr, "seed": seed, "mode": mode, "steps": steps}
+    key = {"bench": "fair_cast", "model": INITS[init], "lr": lr, "seed": seed, "mode": mode, "steps": steps}
     if _runlog.is_done(jsonl, key):
         return
     task = demo_task("chat_math")
+    model = task.model_path()
+    if init == "bf16_grid":
+        model = bf16_grid_model(model, os.path.join(output_dir, "model-bf16grid"))
     out = os.path.join(output_dir, _runlog.run_name(key))
     args = trl_fp8.GRPOConfig(
         output_dir=out, use_cpu=True, bf16=True, max_steps=steps, learning_rate=lr, lr_scheduler_type="constant",
@@ -149,7 +196,7 @@ def run_real(mode: str, seed: int, lr: float, steps: int, jsonl: str, output_dir
         report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=seed, data_seed=seed,
         fair_cast=mode, sync_checks="off", reward_weights=list(task.reward_weights),
     )
-    trainer = trl_fp8.GRPOTrainer(model=task.model_path(), reward_funcs=list(task.reward_funcs), args=args,
+    trainer = trl_fp8.GRPOTrainer(model=model, reward_funcs=list(task.reward_funcs), args=args,
                                   train_dataset=task.make_dataset(4000, seed=seed))
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(_runlog.recorder(jsonl, key, eval_every,
@@ -167,16 +214,22 @@ def report_real(jsonl: str, plot: str) -> None:
     runs = [r for r in _runlog.load_runs(jsonl, REAL_KEYS).values() if r["done"]]
     if not runs:
         raise SystemExit(f"{jsonl}: no finished run yet (run the benchmark first)")
-    lrs = sorted({r["key"]["lr"] for r in runs}, reverse=True)
+    # one table (and plot column) per starting point and learning rate: the checkpoint as loaded first
+    sets = sorted({(r["key"]["model"], r["key"]["lr"]) for r in runs},
+                  key=lambda ml: (list(INITS.values()).index(ml[0]) if ml[0] in INIT_OF_MODEL else 99, -ml[1]))
     headline = None
-    for lr in lrs:
-        at = {m: sorted((r for r in runs if r["key"]["lr"] == lr and r["key"]["mode"] == m),
-                        key=lambda r: r["key"]["seed"]) for m in MODES}
+    for model, lr in sets:
+        init = INIT_OF_MODEL.get(model, model)
+        at = {m: sorted((r for r in runs if (r["key"]["model"], r["key"]["lr"]) == (model, lr)
+                         and r["key"]["mode"] == m), key=lambda r: r["key"]["seed"]) for m in MODES}
         seeds = sorted({r["key"]["seed"] for rs in at.values() for r in rs})
         steps = max(r["key"]["steps"] for rs in at.values() for r in rs)
         step_s = sorted(x["seconds"] for rs in at.values() for r in rs for x in r["steps"].values())
-        print(f"\nSmolLM2-135M-Instruct, chat_math, full fine-tuning, bf16=True (bf16 served copy samples), AdamW lr "
-              f"{lr:g} constant, {steps} steps of {REAL['prompts']} prompts x {REAL['slots']} generations; seeds "
+        start = ("fp32 master starts on the bf16 grid (the weights rounded to nearest bf16, as a bf16 checkpoint "
+                 "loads)" if init == "bf16_grid" else "fp32 master starts from the checkpoint as loaded "
+                 "(Q4_1-dequantized float32, mostly off the bf16 grid)")
+        print(f"\nSmolLM2-135M-Instruct, chat_math, full fine-tuning, bf16=True (bf16 served copy samples), {start}, "
+              f"AdamW lr {lr:g} constant, {steps} steps of {REAL['prompts']} prompts x {REAL['slots']} generations; seeds "
               f"{seeds}; median optimizer step {statistics.median(step_s):.1f} s on this machine; per rule: mean ± "
               "std [min, max] over seeds, and the mean over seeds at each held-out evaluation (48 problems)")
         evals = sorted({s for rs in at.values() for r in rs for s in r["evals"]})
@@ -220,19 +273,20 @@ def report_real(jsonl: str, plot: str) -> None:
                 d = [b["evals"][last][field] - a["evals"][last][field] for a, b in pairs]
                 print(f"{other} − rtn, {field} at step {last}, paired per seed: "
                       f"{', '.join(f'{x:+.3f}' for x in d)}; {spread_n(d, '+.3f')}")
-                if other == "stochastic" and field == "heldout_sampled" and lr == lrs[-1]:
-                    headline = (lr, statistics.mean(d))
+                if other == "stochastic" and field == "heldout_sampled":
+                    headline = (lr, init, statistics.mean(d))  # the last set: the lowest lr, on the grid if run
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(lrs), figsize=(6.5 * len(lrs), 8), squeeze=False)
-    for col, lr in enumerate(lrs):
+    fig, axes = plt.subplots(2, len(sets), figsize=(6.5 * len(sets), 8), squeeze=False)
+    for col, (model, lr) in enumerate(sets):
         ax, ax_eval = axes[0][col], axes[1][col]
+        where = "master on the bf16 grid" if INIT_OF_MODEL.get(model) == "bf16_grid" else "checkpoint as loaded"
         for mode, color in zip(MODES, ("C0", "C1", "C2")):
-            rs = [r for r in runs if r["key"]["lr"] == lr and r["key"]["mode"] == mode]
+            rs = [r for r in runs if (r["key"]["model"], r["key"]["lr"]) == (model, lr) and r["key"]["mode"] == mode]
             for r in rs:
                 steps = sorted(r["steps"])
                 ax.plot(steps, [r["steps"][s][REWARD] for s in steps], color=color, alpha=0.3, lw=1)
@@ -245,10 +299,10 @@ def report_real(jsonl: str, plot: str) -> None:
                 common = sorted(set.intersection(*(set(r["evals"]) for r in rs)))
                 ax_eval.plot(common, [statistics.mean(r["evals"][s]["heldout_sampled"] for r in rs) for s in common],
                              color=color, lw=2.5, marker="o", label=f"{mode} (mean of {len(rs)} seeds)")
-        ax.set(title=f"SmolLM2 chat_math, lr {lr:g}: training reward of the served policy", xlabel="optimizer step",
-               ylabel="correctness, sampled (2 prompts x 8)")
-        ax_eval.set(title=f"lr {lr:g}: held-out accuracy, sampled t = 1 (48 problems)", xlabel="optimizer step",
-                    ylabel="accuracy")
+        ax.set(title=f"SmolLM2 chat_math, lr {lr:g}, {where}:\ntraining reward of the served policy",
+               xlabel="optimizer step", ylabel="correctness, sampled (2 prompts x 8)")
+        ax_eval.set(title=f"lr {lr:g}, {where}:\nheld-out accuracy, sampled t = 1 (48 problems)",
+                    xlabel="optimizer step", ylabel="accuracy")
         for a in (ax, ax_eval):
             a.grid(alpha=0.3)
             a.legend()
@@ -256,7 +310,8 @@ def report_real(jsonl: str, plot: str) -> None:
     fig.savefig(plot, dpi=100)
     print(f"plot: {plot}")
     if headline is not None:
-        print(f"sr_minus_rtn_heldout_at_{headline[0]:g}: {headline[1]:+.3f}")
+        lr, init, value = headline
+        print(f"sr_minus_rtn_heldout_at_{lr:g}{'_bf16grid' if init == 'bf16_grid' else ''}: {value:+.3f}")
 
 
 def main_real(args) -> None:
@@ -267,9 +322,10 @@ def main_real(args) -> None:
         raise SystemExit("give at least 3 seeds (--seeds)")
     steps = args.steps if args.steps is not None else REAL["steps"]
     for lr in args.lrs or [args.lr]:
-        for seed in args.seeds:
-            for mode in [m for m in MODES if m in args.modes]:  # interleaved per seed: paired runs finish together
-                run_real(mode, seed, lr, steps, args.jsonl, args.output_dir, args.eval_every)
+        for seed in args.seeds:  # interleaved per seed: paired runs (and both starting points) finish together
+            for init in args.inits:
+                for mode in [m for m in MODES if m in args.modes]:
+                    run_real(mode, seed, lr, steps, args.jsonl, args.output_dir, args.eval_every, init)
     report_real(args.jsonl, "fair_cast_reward_vs_step.png")
 
 
@@ -287,6 +343,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=REAL["eval_every"], help="--model smollm2")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         help="--model smollm2: the rounding rules to run (rtn, the baseline, must be one)")
+    parser.add_argument("--inits", nargs="+", choices=list(INITS), default=["checkpoint"],
+                        help="--model smollm2: where the fp32 master starts: the checkpoint's weights as loaded "
+                             "(Q4_1-dequantized, mostly off the bf16 grid) and/or those rounded to nearest bf16 (as "
+                             "a bf16 checkpoint loads)")
     parser.add_argument("--jsonl", default=REAL_JSONL, help="--model smollm2: the raw records")
     parser.add_argument("--output-dir", default="runs/fair_cast_smollm2", help="--model smollm2: checkpoints")
     parser.add_argument("--report", action="store_true", help="--model smollm2: tables and plot from --jsonl")

@@ -50,8 +50,8 @@ def test_append_and_run_name(tmp_path):
     assert _runlog.run_name({"bench": "x", "lr": 5e-6, "mode": "rtn"}) == "lr5e-06-modertn"
 
 
-def _fair_cast_records(lr, seed, mode, reward):
-    key = {"bench": "fair_cast", "model": "trl-fp8:smollm2", "lr": lr, "seed": seed, "mode": mode, "steps": 4}
+def _fair_cast_records(lr, seed, mode, reward, model="trl-fp8:smollm2"):
+    key = {"bench": "fair_cast", "model": model, "lr": lr, "seed": seed, "mode": mode, "steps": 4}
     recs = [{**key, "kind": "start", "from_step": 0}]
     for s in range(1, 5):
         recs.append({**key, "kind": "step", "step": s, "seconds": 30.0, "rewards/correctness_reward/mean": reward * s,
@@ -79,6 +79,48 @@ def test_fair_cast_report_pairs_rules_per_seed(tmp_path, capsys):
     assert "stochastic − rtn, heldout_sampled at step 4, paired per seed: +0.200, +0.200, +0.200" in out
     assert out.rstrip().splitlines()[-1] == "sr_minus_rtn_heldout_at_5e-06: +0.200"
     assert os.path.getsize(tmp_path / "fc.png") > 0
+
+
+def test_fair_cast_report_separates_the_bf16_grid_start(tmp_path, capsys):
+    import fair_cast_lag
+
+    path = str(tmp_path / "fc.jsonl")
+    for seed in range(3):
+        for mode, reward in (("rtn", 0.1), ("stochastic", 0.15)):
+            write(path, _fair_cast_records(1e-6, seed, mode, reward))
+        for mode, reward in (("rtn", 0.1), ("stochastic", 0.05)):  # same lr, seeds, rules: only the start differs
+            write(path, _fair_cast_records(1e-6, seed, mode, reward, model="trl-fp8:smollm2-bf16grid"))
+    fair_cast_lag.report_real(path, str(tmp_path / "fc.png"))
+    out = capsys.readouterr().out
+    tables = out.split("\nSmolLM2-135M-Instruct")[1:]
+    assert len(tables) == 2
+    assert "checkpoint as loaded" in tables[0] and "starts on the bf16 grid" in tables[1]
+    assert "paired per seed: +0.200, +0.200, +0.200" in tables[0]
+    assert "paired per seed: -0.200, -0.200, -0.200" in tables[1]  # not mixed with the other start's runs
+    assert out.rstrip().splitlines()[-1] == "sr_minus_rtn_heldout_at_1e-06_bf16grid: -0.200"
+
+
+def test_bf16_grid_model_rounds_the_weights_once(tmp_path):
+    import fair_cast_lag
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = tmp_path / "src", tmp_path / "grid"
+    src.mkdir()
+    w = torch.tensor([1.0, 1.0 + 2**-10, -3.0e-3, 0.1], dtype=torch.float32)  # 1 + 2^-10 is between bf16 values
+    save_file({"w": w, "ids": torch.arange(3)}, str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    assert fair_cast_lag.on_bf16_grid({"w": w}) == 0.25
+    assert fair_cast_lag.bf16_grid_model(str(src), str(dst)) == str(dst)
+    out = load_file(str(dst / "model.safetensors"))
+    assert out["w"].dtype == torch.float32 and torch.equal(out["w"], w.to(torch.bfloat16).float())
+    assert torch.equal(out["ids"], torch.arange(3)) and (dst / "config.json").read_text() == "{}"
+    assert fair_cast_lag.on_bf16_grid(out) == 1.0 and not (tmp_path / "grid.tmp").exists()
+    stamp = os.path.getmtime(dst / "model.safetensors")
+    fair_cast_lag.bf16_grid_model(str(src), str(dst))  # reused, not rewritten
+    assert os.path.getmtime(dst / "model.safetensors") == stamp
+    with pytest.raises(SystemExit, match="no model.safetensors"):
+        fair_cast_lag.bf16_grid_model(str(tmp_path / "config-only"), str(tmp_path / "x"))
 
 
 def test_duet_report_counts_tokens_to_target(tmp_path, capsys):
