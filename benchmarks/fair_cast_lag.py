@@ -37,8 +37,15 @@ reward of the served policy per step and held-out accuracy per evaluation, one c
 per rule) and the last line
 ``sr_minus_rtn_heldout_at_<lr>: <mean over seeds>`` (held-out sampled accuracy at the last evaluated step, paired).
 
-    python benchmarks/fair_cast_lag.py --model smollm2 --lrs 5e-6 1e-6 --seeds 0 1 2 --steps 20
-    python benchmarks/fair_cast_lag.py --model smollm2 --lrs 1e-6 --modes rtn stochastic --steps 30 --eval-every 10
+``--inits bf16_grid`` starts the fp32 master on the bf16 grid (the file's weights rounded to nearest bf16 and kept in
+float32, in ``<output-dir>/model-bf16grid``), as a bf16 checkpoint loads; the default ``checkpoint`` starts from the
+file's Q4_1-dequantized weights, 79 % of which are off the grid -- a fixed dither that lets round-to-nearest follow
+the master from the first steps. Runs from the two starts are recorded under different ``model`` names and reported
+in separate tables; the last line then names the grid start (``sr_minus_rtn_heldout_at_1e-06_bf16grid``).
+
+    python benchmarks/fair_cast_lag.py --model smollm2 --lrs 5e-6 --seeds 0 1 2 --steps 20
+    python benchmarks/fair_cast_lag.py --model smollm2 --lrs 1e-6 --modes rtn stochastic --inits bf16_grid \
+        --steps 30 --eval-every 10
     python benchmarks/fair_cast_lag.py --model smollm2 --report
 """
 
