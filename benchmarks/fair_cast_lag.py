@@ -28,7 +28,8 @@ ratio and is reported as excluded.
 ``bf16=True`` -- bf16 autocast over fp32 masters, the bf16 served copy generating every rollout -- 2 prompts x 8
 generations, completions <= 96 tokens, AdamW constant, checks off so only the export rule differs) the runs are long
 (a median step of 14-20 s on 2 cores, ~10 minutes a 20-step run with its evaluations), so they are resumable: each
-(lr, seed, rule) run checkpoints every ``--eval-every`` steps under ``--output-dir`` and resumes with ``resume_from_checkpoint="auto"``; every step's logged metrics and every
+(lr, seed, rule) run checkpoints every ``--eval-every`` steps under ``--output-dir`` and resumes with
+``resume_from_checkpoint="auto"``; every step's logged metrics and every
 held-out evaluation (the served policy — between steps the learner holds the served values — 48 problems, sampled
 t = 1 and greedy, at step 0 and every ``--eval-every`` steps)
 are appended to ``--jsonl`` as they happen (``benchmarks/_runlog.py``); finished runs are skipped. Rerun the same
@@ -236,8 +237,8 @@ def report_real(jsonl: str, plot: str) -> None:
                  "loads)" if init == "bf16_grid" else "fp32 master starts from the checkpoint as loaded "
                  "(Q4_1-dequantized float32, mostly off the bf16 grid)")
         print(f"\nSmolLM2-135M-Instruct, chat_math, full fine-tuning, bf16=True (bf16 served copy samples), {start}, "
-              f"AdamW lr {lr:g} constant, {steps} steps of {REAL['prompts']} prompts x {REAL['slots']} generations; seeds "
-              f"{seeds}; median optimizer step {statistics.median(step_s):.1f} s on this machine; per rule: mean ± "
+              f"AdamW lr {lr:g} constant, {steps} steps of {REAL['prompts']} prompts x {REAL['slots']} generations; "
+              f"seeds {seeds}; median optimizer step {statistics.median(step_s):.1f} s on this machine; per rule: mean ± "
               "std [min, max] over seeds, and the mean over seeds at each held-out evaluation (48 problems)")
         evals = sorted({s for rs in at.values() for r in rs for s in r["evals"]})
         marks = " / ".join(str(s) for s in evals)
