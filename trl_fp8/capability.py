@@ -60,6 +60,15 @@ def check_int(field_name: str, value, minimum: int, allow_none: bool = False) ->
         raise ValueError(f"{field_name} must be an integer >= {minimum}{extra}, got {value!r}.")
 
 
+def check_number(field_name: str, value, minimum: float, finite: bool = False, note: str = "") -> None:
+    """Raise a ``ValueError`` naming ``field_name`` unless ``value`` is a real number (not a bool) >= ``minimum``
+    (and not infinite when ``finite``); ``note`` follows the bound in the message."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum or \
+            (finite and value == float("inf")):
+        raise ValueError(f"{field_name} must be {'a finite number ' if finite else ''}>= {minimum:g}{note}, "
+                         f"got {value!r}.")
+
+
 def check_fraction(field_name: str, value) -> None:
     """Raise a ``ValueError`` naming ``field_name`` unless ``0 < value <= 1``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _trl, distributed
-from ..capability import Capability, Conflict, check_fraction, check_int
+from ..capability import Capability, Conflict, check_fraction, check_int, check_number
 from .controller import DuetController
 from .markers import compile_markers
 from .sampling import DuetStoppingCriteria
@@ -121,13 +121,9 @@ class Duet(Capability):
         compile_markers(args.duet_markers)
         check_fraction("duet_abort_keep_prob", args.duet_abort_keep_prob)
         check_fraction("duet_min_propensity", args.duet_min_propensity)
-        if isinstance(args.duet_max_weight, bool) or not isinstance(args.duet_max_weight, (int, float)) or \
-                not args.duet_max_weight >= 1:
-            raise ValueError(f"duet_max_weight must be >= 1, got {args.duet_max_weight!r}.")
-        if isinstance(args.duet_prior_strength, bool) or not isinstance(args.duet_prior_strength, (int, float)) or \
-                not 0 <= args.duet_prior_strength < float("inf"):
-            raise ValueError(f"duet_prior_strength must be a finite number >= 0 (pseudo-groups; 0 = no shrinkage), "
-                             f"got {args.duet_prior_strength!r}.")
+        check_number("duet_max_weight", args.duet_max_weight, 1)
+        check_number("duet_prior_strength", args.duet_prior_strength, 0, finite=True,
+                     note=" (pseudo-groups; 0 = no shrinkage)")
         if not args.duet:
             return
         if args.use_vllm:  # DUET steps the engine itself (trl_fp8.duet.vllm): it must live in this process
