@@ -17,6 +17,8 @@ from .capability import check_choice  # noqa: F401  (re-exported: part of trl_fp
 from .composition import check_conflicts
 from .precision import PrecisionArgs, resolve_precision
 from .registry import CAPABILITIES
+from . import serving
+from .serving import ServingArgs
 
 
 @dataclass
@@ -30,7 +32,7 @@ class ReportingArgs:
     )
 
 
-_MIXINS = (ReportingArgs, PrecisionArgs) + tuple(c.Args for c in CAPABILITIES if c.Args is not None)
+_MIXINS = (ReportingArgs, PrecisionArgs, ServingArgs) + tuple(c.Args for c in CAPABILITIES if c.Args is not None)
 # Names of the fields trl_fp8 adds on top of trl.GRPOConfig (every field of the capabilities' mixins).
 TRL_FP8_FIELDS: tuple[str, ...] = tuple(f.name for mixin in _MIXINS for f in fields(mixin))
 
@@ -48,6 +50,7 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
         resolve_precision(self, CAPABILITIES)
         super().__post_init__()
         self._validate_metrics_jsonl()
+        serving.validate(self)
         for capability in CAPABILITIES:
             capability.validate(self)
         check_conflicts(CAPABILITIES, self)  # declared per capability, checked once
@@ -102,7 +105,7 @@ def _cell(text: str) -> str:
 def field_reference() -> str:
     """Every field trl_fp8 adds to ``GRPOConfig``, grouped by capability, as Markdown tables built from the fields'
     metadata (help, choices) and defaults: the text of ``docs/configuration.md`` (a test keeps the two equal)."""
-    titles = {ReportingArgs: "Reporting", PrecisionArgs: "Precision"}
+    titles = {ReportingArgs: "Reporting", PrecisionArgs: "Precision", ServingArgs: "Serving a LoRA policy"}
     titles.update({c.Args: f"{c.__name__} (`{c.name}`)" for c in CAPABILITIES if c.Args is not None})
     lines = [
         "# Configuration reference",

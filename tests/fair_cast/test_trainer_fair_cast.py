@@ -162,7 +162,7 @@ def test_lora_serves_the_merged_weights_and_trains_on_them(tmp_path, demo_dir):
 
     from trl_fp8.fair_cast.rounding import stochastic_round
 
-    trainer = _lora_trainer(tmp_path, demo_dir, learning_rate=1e-2)
+    trainer = _lora_trainer(tmp_path, demo_dir, learning_rate=1e-2, lora_serving="merged")
     twin = trainer.capability("fair_cast").sampler.model
     assert not any("lora" in n for n, _ in twin.named_parameters())  # a plain merged model
     layers = {n: m for n, m in trainer.model.named_modules() if isinstance(m, LoraLayer)}
@@ -198,8 +198,10 @@ def test_lora_serves_the_merged_weights_and_trains_on_them(tmp_path, demo_dir):
     assert "model.embed_tokens.weight" not in served.trainable
 
 
-def test_lora_resume_is_exact(tmp_path, tiny_model_dir):
-    common = dict(fair_cast="stochastic", max_steps=4, save_strategy="steps", save_steps=2, learning_rate=5e-3)
+@pytest.mark.parametrize("lora_serving", ["adapters", "merged"])
+def test_lora_resume_is_exact(tmp_path, tiny_model_dir, lora_serving):
+    common = dict(fair_cast="stochastic", max_steps=4, save_strategy="steps", save_steps=2, learning_rate=5e-3,
+                  lora_serving=lora_serving)
     straight = _lora_trainer(tmp_path, tiny_model_dir, **common)
     straight.train()
     resumed = _lora_trainer(tmp_path, tiny_model_dir, **{**common, "output_dir": str(tmp_path / "resumed")})

@@ -168,7 +168,7 @@ def test_fair_cast_serves_export_of_dequant_plus_delta_and_the_checks_pass(tmp_p
     from trl_fp8.fair_cast.rounding import stochastic_round
 
     trainer = _trainer(tmp_path, demo_dir, fair_cast=mode, sync_checks="all", qlora_keep_budget_gb=0,
-                       learning_rate=1e-2)
+                       learning_rate=1e-2, lora_serving="merged")
     fair_cast = trainer.capability("fair_cast")
     twin = fair_cast.sampler.model
     assert not fourbit.has_4bit(twin) and all(p.dtype == torch.bfloat16 for p in twin.parameters())
@@ -195,7 +195,7 @@ def test_fair_cast_serves_export_of_dequant_plus_delta_and_the_checks_pass(tmp_p
 
 def test_fair_cast_with_adapters_on_some_layers_serves_the_other_4bit_layers_dequantized(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, fair_cast="stochastic", sync_checks="all", qlora_keep_budget_gb=0,
-                       peft_config=_lora(target_modules=["q_proj", "v_proj"]), max_steps=2)
+                       peft_config=_lora(target_modules=["q_proj", "v_proj"]), max_steps=2, lora_serving="merged")
     served = trainer.capability("fair_cast").served
     down = served.units["model.layers.0.mlp.down_proj.weight"]
     assert type(down).__name__ == "FourBitUnit" and not down.trainable

@@ -248,7 +248,7 @@ def test_fair_cast_over_a_4bit_base_serves_a_16bit_engine(tmp_path, demo_dir, ke
     import trl_fp8
 
     before = _checkpoint_packed(demo_dir)
-    trainer = _trainer(tmp_path, demo_dir, keep_budget=keep_budget, fair_cast="stochastic")
+    trainer = _trainer(tmp_path, demo_dir, keep_budget=keep_budget, fair_cast="stochastic", lora_serving="merged")
     fair_cast, qlora = trainer.capability("fair_cast"), trainer.capability("fast_qlora")
     assert fair_cast is not None and qlora is not None and qlora.vllm_export is None  # Fair Cast serves
     engine = _assert_dense_engine(trainer, fair_cast.dtype)

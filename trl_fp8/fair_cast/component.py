@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, distributed, fourbit, numerics
+from .. import _trl, distributed, fourbit, numerics, serving
 from ..numerics import dtype_name
 from ..capability import Capability, Conflict, Serving, check_choice
 from ..samplers import SyncLog, TransformersSampler
@@ -75,7 +75,7 @@ class FairCast(Capability):
     name = "fair_cast"
     Args = FairCastArgs
     state_file = "fair_cast_state.pt"
-    resume_fields = ("fair_cast", "served_dtype")
+    resume_fields = ("fair_cast", "served_dtype", "lora_serving")
     engines = {
         "ddp": None,  # every replica exports the same bits: SR keyed by (seed, step, tensor), EF deterministic
         # ZeRO-1/2/3: the export replaces DeepSpeed's fp32 -> 16-bit partition copy (fair_cast.zero)
@@ -151,14 +151,25 @@ class FairCast(Capability):
         record = lambda name, value: _trl.record_metric(trainer, name, value)  # noqa: E731
         if engine.kind == "deepspeed" and engine.zero_stage == 3:
             return self._setup_zero3(trainer, model, record)
-        if is_peft_model(model):
+        self.adapters = is_peft_model(model) and serving.resolved(args) == "adapters"
+        if self.adapters:
+            from .peft import adapter_units
+
+            units = adapter_units(model)
+        elif is_peft_model(model):
             from .peft import lora_units
 
             units = lora_units(model)
         else:
             units = [ParamUnit(n, p) for n, p in model.named_parameters()]
         self.served = ServedCopy(units, args.fair_cast, self.dtype, args.resolved_fair_cast_seed())
-        if trainer.use_vllm:
+        if self.adapters:
+            # The policy itself is the served policy: its base as loaded, its factors holding the served values
+            # between optimizer steps. No twin; TRL's generation (or fast QLoRA's rollout cache) runs on it.
+            if trainer.use_vllm:
+                raise ValueError("fair_cast with vLLM and lora_serving='adapters' is not available yet: use "
+                                 "lora_serving='merged' (a dense stream) or the in-process sampler.")
+        elif trainer.use_vllm:
             from .vllm import VLLMExport
 
             # TRL's sync streams it

@@ -1,6 +1,15 @@
 """Fair Cast units for PEFT LoRA models (no TRL imports).
 
-The served copy of a LoRA model is the *merged* model: for each LoRA layer the served weight is
+Two ways to serve a LoRA model (``lora_serving``):
+
+- **adapters** (the default): the base is served exactly as loaded (16-bit or 4-bit; never copied, never re-exported)
+  and only the adapter factors are exported, one :class:`~trl_fp8.fair_cast.served.AdapterUnit` per factor
+  (:func:`adapter_units`). Fair Cast's state is O(adapter parameters): an fp32 master, a served buffer (and EF's
+  residual) per factor. Rounding the factors independently and unbiasedly keeps the product unbiased
+  (E[B̂Â] = BA), and a small delta is computed at its own scale instead of being swallowed by ``RN(W + ΔW)``.
+- **merged** (below): the served copy is the merged model.
+
+Merged serving: for each LoRA layer the served weight is
 ``export(W + ΔW)`` with ``ΔW`` the active adapters' delta (``get_delta_weight``). To compute the loss on exactly
 that served weight without changing PEFT's forward, the frozen base weight is set to ``q - ΔW`` between
 optimizer steps: the layer then computes ``(q - ΔW) x + ΔW x = q x`` (up to fp32 rounding of the unmerged
@@ -117,6 +126,58 @@ class FourBitUnit:
 
     def apply(self, served: torch.Tensor) -> None:  # the 4-bit weight stays as it is (see the module docstring)
         pass
+
+
+def adapter_units(peft_model) -> list:
+    """One :class:`~trl_fp8.fair_cast.served.AdapterUnit` per LoRA factor of every active adapter, named as PEFT's
+    ``named_parameters()`` names it (``...q_proj.lora_A.default.weight``); ``lora_B`` carries its layer's scaling.
+
+    Factors kept in 16-bit (TRL keeps QLoRA factors in bf16) are upcast to fp32 in place: the fp32 master Fair Cast
+    needs (2 bytes more per adapter parameter). Refused: DoRA, LoRA variants, ``lora_bias``, embedding LoRA, merged
+    adapters and any trainable parameter that is no LoRA factor (``modules_to_save``, ``bias='all'``): the served
+    policy is the frozen base plus the factors, so nothing else may change.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    from .served import AdapterUnit
+
+    units, owned = [], set()
+    names = {id(p): n for n, p in peft_model.named_parameters()}
+    for module_name, layer in peft_model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        where = f"LoRA layer '{module_name}'"
+        if getattr(layer, "merged", False):
+            raise ValueError(f"{where} is merged; Fair Cast needs unmerged adapters.")
+        for adapter in layer.active_adapters:
+            if layer.use_dora.get(adapter, False) or adapter in getattr(layer, "lora_variant", {}):
+                raise ValueError(f"Fair Cast does not support DoRA or other LoRA variants ({where}): its forward is "
+                                 "not W + s·B·A.")
+            if getattr(layer, "lora_bias", {}).get(adapter, False):
+                raise ValueError(f"Fair Cast with lora_serving='adapters' does not support lora_bias=True ({where}).")
+            if adapter in getattr(layer, "lora_embedding_A", {}):
+                raise ValueError(f"Fair Cast with lora_serving='adapters' supports LoRA on linear layers only; {where} "
+                                 "is an embedding. Use lora_serving='merged' or leave embeddings out of "
+                                 "target_modules.")
+            if adapter not in layer.lora_A:
+                continue
+            scale = layer.scaling[adapter]
+            for factor, s in ((layer.lora_A[adapter].weight, 1.0), (layer.lora_B[adapter].weight, scale)):
+                if factor.dtype in (torch.bfloat16, torch.float16):
+                    factor.data = factor.data.float()
+                units.append(AdapterUnit(names[id(factor)], factor, s))
+                owned.add(id(factor))
+    if not units:
+        raise ValueError("Fair Cast with lora_serving='adapters': the model has no active LoRA adapters on linear "
+                         "layers.")
+    for name, param in peft_model.named_parameters():
+        if param.requires_grad and id(param) not in owned:
+            raise ValueError(
+                f"Fair Cast with lora_serving='adapters' serves the frozen base plus the LoRA factors, but parameter "
+                f"'{name}' is trainable too (PEFT modules_to_save or LoraConfig(bias=...)). Train LoRA factors only, "
+                "or use lora_serving='merged'."
+            )
+    return units
 
 
 def _served_name(name: str) -> str:

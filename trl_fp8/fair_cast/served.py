@@ -63,6 +63,45 @@ class ParamUnit:
         self.param.data.copy_(served)
 
 
+class AdapterUnit(ParamUnit):
+    """One LoRA factor of an adapter-served LoRA model (``lora_serving="adapters"``): the base is served as loaded
+    and only the factors are exported.
+
+    The served tensor of a ``lora_B`` factor is ``export(s·B)``, with ``s`` the layer's LoRA scaling folded in where the
+    rounding happens: an engine given it applies scale 1 and rounds nothing again (vLLM would otherwise multiply B by
+    ``s`` in 16-bit after the push). Between optimizer steps the parameter holds ``served / s``: exact when ``s`` is a
+    power of two (the usual ``lora_alpha / r``); otherwise within fp32 rounding of it. ``lora_A`` factors (and ``s =
+    1``) are served as they are. The fp32 master is ``stored`` (unscaled); ``master`` is what is exported (scaled).
+    """
+
+    def __init__(self, name: str, param: torch.nn.Parameter, scale: float = 1.0):
+        if param.dtype != torch.float32:
+            raise TypeError(f"Fair Cast needs an fp32 master of LoRA factor '{name}', got {param.dtype}.")
+        self.name = name
+        self.param = param
+        self.trainable = param.requires_grad
+        self.stored = param.detach().clone()
+        self.scale = float(scale)
+        if not math.isfinite(self.scale) or self.scale == 0:
+            raise ValueError(f"LoRA factor '{name}': scaling {scale!r} cannot be folded into the served factor.")
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.stored if self.scale == 1 else self.stored * self.scale
+
+    def capture(self) -> None:
+        self.stored.copy_(self.param.data)
+
+    def restore(self) -> None:
+        self.param.data.copy_(self.stored)
+
+    def apply(self, served: torch.Tensor) -> None:
+        if self.scale == 1:
+            self.param.data.copy_(served)
+        else:
+            torch.div(served.float(), self.scale, out=self.param.data)
+
+
 class ServedCopy:
     """Master/served bookkeeping for a list of units (see :class:`ParamUnit`; LoRA layers have their own).
 
@@ -202,7 +241,8 @@ class ServedCopy:
             "served_dtype": dtype_name(self.dtype),
             "seed": self.seed,
             "step": self.step,
-            "master": {n: u.master.detach().cpu().clone() for n, u in self.units.items() if isinstance(u, ParamUnit)},
+            "master": {n: getattr(u, "stored", u.master).detach().cpu().clone() for n, u in self.units.items()
+                       if isinstance(u, ParamUnit)},
             "served": {n: t.detach().cpu().clone() for n, t in self.served.items()},
             "residual": {n: t.detach().cpu().clone() for n, t in self.residual.items()},
             # the lag metric's running direction: without it the first lag_steps after a resume would differ
@@ -221,7 +261,7 @@ class ServedCopy:
             raise ValueError(f"Fair Cast checkpoint lacks the state of: {', '.join(sorted(missing))}")
         for n in self.units:
             if n in masters:
-                self.units[n].master.copy_(state["master"][n])
+                getattr(self.units[n], "stored", self.units[n].master).copy_(state["master"][n])
             self.served[n].copy_(state["served"][n])
             if self.residual:
                 self.residual[n].copy_(state["residual"][n])

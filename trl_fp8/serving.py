@@ -1,0 +1,42 @@
+"""How a LoRA run's policy is served to the sampler: base + adapters, or the merged model (a neutral module: no
+capability imports it from another, and it imports none).
+
+A LoRA run's policy is the frozen base plus the adapters. With ``lora_serving="adapters"`` (what ``"auto"`` resolves
+to) the base is loaded once and never copied, merged or re-exported; only the adapter factors are exported (Fair
+Cast's rounding rule) and sent. ``"merged"`` serves ``W + ΔW`` as one dense tensor per layer: a dense copy of the
+model beside the learner, and a merge that rounds a small ΔW away (see docs/will-it-fit.md for the bytes).
+
+The field matters only where a trl_fp8 capability serves the sampler (Fair Cast; fast QLoRA with vLLM): with every
+trl_fp8 capability off, TRL's own path runs, whatever the field says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .capability import check_choice
+
+LORA_SERVING_MODES = ("auto", "adapters", "merged")
+
+
+@dataclass
+class ServingArgs:
+    lora_serving: str = field(
+        default="auto",
+        metadata={
+            "help": "trl_fp8: how a LoRA policy is served where a trl_fp8 capability serves the sampler (Fair Cast, "
+            "fast QLoRA with vLLM): 'adapters' (the base as loaded plus the exported adapter factors; Fair Cast's "
+            "state is O(adapter parameters)), 'merged' (one dense W + ΔW per layer: a dense copy of the model) or "
+            "'auto' (= 'adapters').",
+            "choices": list(LORA_SERVING_MODES),
+        },
+    )
+
+
+def validate(args) -> None:
+    check_choice("lora_serving", getattr(args, "lora_serving", "auto"), LORA_SERVING_MODES)
+
+
+def resolved(args) -> str:
+    """``"adapters"`` or ``"merged"`` for any args (a plain TRL config: ``"adapters"``)."""
+    return "merged" if getattr(args, "lora_serving", "auto") == "merged" else "adapters"
