@@ -1,0 +1,74 @@
+"""The plan's architecture numbers: the embedded table against transformers' own modelling (built on the meta device,
+no weights), and resolving a model from a name, a config.json, a folder or a PretrainedConfig."""
+
+import json
+
+import pytest
+
+from trl_fp8.plan.models import MODELS, Arch, arch_from_config, model_key, resolve_model
+
+
+def _hf_model(arch: Arch):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(hidden_size=arch.hidden, intermediate_size=arch.intermediate, num_hidden_layers=arch.layers,
+                  num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim,
+                  vocab_size=arch.vocab, tie_word_embeddings=arch.tied)
+    with torch.device("meta"):
+        if arch.model_type == "qwen2":
+            return Qwen2ForCausalLM(Qwen2Config(**common))
+        return LlamaForCausalLM(LlamaConfig(**common))
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+def test_embedded_configs_list_every_parameter_transformers_builds(key):
+    arch = MODELS[key]
+    model = _hf_model(arch)
+    built = [(n, p.numel()) for n, p in model.named_parameters()]
+    assert [(t.name, t.numel) for t in arch.tensors()] == built
+    buffers = {b.untyped_storage()._cdata: b.numel() * b.element_size() for b in model.buffers()}
+    assert sum(buffers.values()) == arch.buffer_bytes()
+
+
+def test_public_parameter_counts():
+    # the model cards' sizes: Qwen2.5-7B 7.61 B, Llama-3.1-8B 8.03 B, SmolLM2-135M 134.5 M (tied), Qwen2.5-0.5B 494 M
+    assert MODELS["qwen2.5-7b"].params == 7_615_616_512
+    assert MODELS["llama-3.1-8b"].params == 8_030_261_248
+    assert MODELS["smollm2-135m"].params == 134_515_008
+    assert MODELS["qwen2.5-0.5b"].params == 494_032_768
+
+
+def test_names_configs_and_folders(tmp_path):
+    assert model_key("Qwen/Qwen2.5-7B-Instruct") == "qwen2.5-7b"
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") is MODELS["smollm2-135m"]
+    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 128,
+              "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    by_folder, by_file = resolve_model(tmp_path), resolve_model(str(tmp_path / "config.json"))
+    assert by_folder == by_file
+    assert (by_folder.hidden, by_folder.kv_heads, by_folder.head_dim, by_folder.tied, by_folder.qkv_bias) == \
+        (64, 1, 32, False, True)
+
+
+def test_a_pretrained_config_and_llama_defaults():
+    from transformers import LlamaConfig
+
+    arch = resolve_model(LlamaConfig(hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                                     num_attention_heads=6, vocab_size=800))
+    assert (arch.kv_heads, arch.head_dim, arch.qkv_bias) == (6, 16, False)
+    assert arch.params == _count(_hf_model(arch))
+
+
+def _count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_unknown_model_names_the_known_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown model 'qwen9'.*qwen2\.5-7b.*llama-3\.1-8b"):
+        resolve_model("qwen9")
+    with pytest.raises(ValueError, match="has no config.json"):
+        resolve_model(tmp_path)
+    with pytest.raises(ValueError, match="lacks hidden_size"):
+        arch_from_config({"model_type": "llama"})

@@ -1,0 +1,36 @@
+"""The memory plan of a GRPO run (``trl-fp8 plan``): what the model, TRL's trainer and each trl_fp8 capability
+allocate, per parameter of what, for a model config, the run's settings and a device — before anything is loaded.
+
+- :func:`memory_plan` → :class:`Plan` (rows, totals per card, whether it fits, the one change that would make it fit);
+- :func:`measure` → the bytes the live trainer holds, by the same categories (checks the plan's persistent rows);
+- :func:`saved_tensor_bytes` → the bytes of tensors a forward saves for backward (checks the activation rows on CPU).
+
+Arithmetic only at import: no torch, no TRL (the capability list is read when a plan is made).
+"""
+
+from .activations import Shape, saved_bytes
+from .devices import DEVICES, Device, resolve_device
+from .models import MODELS, Arch, resolve_model
+from .plan import FREE_TIER, Plan, make_spec, memory_plan, plan_for, run_args, sampler_of
+from ..memory import GENERATION, PERSISTENT, TRAINING, Row
+from .spec import LoraSpec, PlanSpec, QuantSpec, Rollout
+
+
+def measure(trainer, **kwargs):
+    """The bytes the live trainer holds, by category (see :mod:`trl_fp8.plan.measure`)."""
+    from .measure import measure as _measure
+
+    return _measure(trainer, **kwargs)
+
+
+def saved_tensor_bytes(*args, **kwargs):
+    """See :func:`trl_fp8.plan.measure.saved_tensor_bytes`."""
+    from .measure import saved_tensor_bytes as _saved
+
+    return _saved(*args, **kwargs)
+
+
+__all__ = ["Arch", "DEVICES", "Device", "FREE_TIER", "GENERATION", "LoraSpec", "MODELS", "PERSISTENT", "Plan",
+           "PlanSpec", "QuantSpec", "Rollout", "Row", "Shape", "TRAINING", "make_spec", "measure", "memory_plan",
+           "plan_for", "resolve_device", "resolve_model", "run_args", "sampler_of", "saved_bytes",
+           "saved_tensor_bytes"]

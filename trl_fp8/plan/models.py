@@ -1,0 +1,206 @@
+"""Model architectures as numbers: the parameter tensors of a decoder-only causal LM, from its ``config.json``.
+
+Pure arithmetic (no torch, no transformers at import). A model is given as a name from :data:`MODELS` (a few public
+configs, numbers only), a ``config.json`` path, a folder holding one, a ``transformers.PretrainedConfig`` or an
+:class:`Arch`. The tensor list follows the Llama / Qwen2 / SmolLM2 layout (what ``named_parameters()`` yields for
+``LlamaForCausalLM`` / ``Qwen2ForCausalLM``): embeddings; per block q/k/v/o and gate/up/down projections (with the
+biases the config asks for) and two RMSNorm weights; the final norm; the LM head unless tied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = PROJECTIONS[:4]
+MLP = PROJECTIONS[4:]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The architecture numbers of a decoder-only LM (``config.json`` fields in brackets)."""
+
+    name: str
+    hidden: int  # hidden_size
+    intermediate: int  # intermediate_size
+    layers: int  # num_hidden_layers
+    heads: int  # num_attention_heads
+    kv_heads: int  # num_key_value_heads
+    head_dim: int  # head_dim (default hidden_size // num_attention_heads)
+    vocab: int  # vocab_size
+    tied: bool  # tie_word_embeddings
+    qkv_bias: bool = False  # Qwen2: q/k/v projections have a bias; Llama: attention_bias
+    o_bias: bool = False  # Llama attention_bias also puts one on o_proj
+    mlp_bias: bool = False  # mlp_bias
+    model_type: str = "llama"
+
+    # -- shapes --------------------------------------------------------------------------------------------------
+    def linear_shape(self, projection: str) -> tuple[int, int]:
+        """``(out_features, in_features)`` of one projection of a block."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "q_proj": (q, self.hidden), "k_proj": (kv, self.hidden), "v_proj": (kv, self.hidden),
+            "o_proj": (self.hidden, q), "gate_proj": (self.intermediate, self.hidden),
+            "up_proj": (self.intermediate, self.hidden), "down_proj": (self.hidden, self.intermediate),
+        }[projection]
+
+    def has_bias(self, projection: str) -> bool:
+        if projection in ("q_proj", "k_proj", "v_proj"):
+            return self.qkv_bias
+        if projection == "o_proj":
+            return self.o_bias
+        return self.mlp_bias
+
+    def tensors(self) -> list[Tensor]:
+        """Every parameter tensor, in ``named_parameters()`` order (tied LM head: not listed again)."""
+        out = [Tensor("model.embed_tokens.weight", self.vocab * self.hidden, "embedding")]
+        for i in range(self.layers):
+            prefix = f"model.layers.{i}."
+            for p in PROJECTIONS:
+                group = "self_attn" if p in ATTENTION else "mlp"
+                o, n = self.linear_shape(p)
+                out.append(Tensor(f"{prefix}{group}.{p}.weight", o * n, "linear", p, (o, n)))
+                if self.has_bias(p):
+                    out.append(Tensor(f"{prefix}{group}.{p}.bias", o, "bias", p))
+            out.append(Tensor(f"{prefix}input_layernorm.weight", self.hidden, "norm"))
+            out.append(Tensor(f"{prefix}post_attention_layernorm.weight", self.hidden, "norm"))
+        out.append(Tensor("model.norm.weight", self.hidden, "norm"))
+        if not self.tied:
+            out.append(Tensor("lm_head.weight", self.vocab * self.hidden, "lm_head"))
+        return out
+
+    @property
+    def params(self) -> int:
+        return sum(t.numel for t in self.tensors())
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters of the block projections' weights (what bitsandbytes quantizes)."""
+        return sum(t.numel for t in self.tensors() if t.kind == "linear")
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """Generation KV cache per token: K and V of every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * element_bytes
+
+    def buffer_bytes(self) -> int:
+        """The model's buffers: the rotary embedding's ``inv_freq`` and ``original_inv_freq`` (fp32, head_dim / 2
+        each; transformers 5)."""
+        return 2 * (self.head_dim // 2) * 4
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor: its name, element count, kind (embedding / linear / bias / norm / lm_head) and, for a
+    projection, which one and its ``(out, in)`` shape."""
+
+    name: str
+    numel: int
+    kind: str
+    projection: str | None = None
+    shape: tuple[int, int] | None = None
+
+
+# The embedded configs: the numbers of each model's public config.json (Hugging Face Hub), nothing else.
+MODELS: dict[str, Arch] = {
+    # HuggingFaceTB/SmolLM2-135M(-Instruct) config.json: hidden_size 576, intermediate_size 1536,
+    # num_hidden_layers 30, num_attention_heads 9, num_key_value_heads 3 (head_dim 64), vocab_size 49152,
+    # tie_word_embeddings true, model_type llama (attention_bias false, mlp_bias false)
+    "smollm2-135m": Arch("SmolLM2-135M", 576, 1536, 30, 9, 3, 64, 49152, True),
+    # HuggingFaceTB/SmolLM2-360M: hidden_size 960, intermediate_size 2560, num_hidden_layers 32,
+    # num_attention_heads 15, num_key_value_heads 5 (head_dim 64), vocab_size 49152, tie_word_embeddings true
+    "smollm2-360m": Arch("SmolLM2-360M", 960, 2560, 32, 15, 5, 64, 49152, True),
+    # HuggingFaceTB/SmolLM2-1.7B: hidden_size 2048, intermediate_size 8192, num_hidden_layers 24,
+    # num_attention_heads 32, num_key_value_heads 32 (head_dim 64), vocab_size 49152, tie_word_embeddings true
+    "smollm2-1.7b": Arch("SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 64, 49152, True),
+    # Qwen/Qwen2.5-0.5B(-Instruct): hidden_size 896, intermediate_size 4864, num_hidden_layers 24,
+    # num_attention_heads 14, num_key_value_heads 2 (head_dim 64), vocab_size 151936, tie_word_embeddings true,
+    # model_type qwen2 (bias on q/k/v)
+    "qwen2.5-0.5b": Arch("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 64, 151936, True, qkv_bias=True,
+                         model_type="qwen2"),
+    # Qwen/Qwen2.5-1.5B: hidden_size 1536, intermediate_size 8960, num_hidden_layers 28, num_attention_heads 12,
+    # num_key_value_heads 2 (head_dim 128), vocab_size 151936, tie_word_embeddings true
+    "qwen2.5-1.5b": Arch("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 128, 151936, True, qkv_bias=True,
+                         model_type="qwen2"),
+    # Qwen/Qwen2.5-3B: hidden_size 2048, intermediate_size 11008, num_hidden_layers 36, num_attention_heads 16,
+    # num_key_value_heads 2 (head_dim 128), vocab_size 151936, tie_word_embeddings true
+    "qwen2.5-3b": Arch("Qwen2.5-3B", 2048, 11008, 36, 16, 2, 128, 151936, True, qkv_bias=True, model_type="qwen2"),
+    # Qwen/Qwen2.5-7B: hidden_size 3584, intermediate_size 18944, num_hidden_layers 28, num_attention_heads 28,
+    # num_key_value_heads 4 (head_dim 128), vocab_size 152064, tie_word_embeddings false
+    "qwen2.5-7b": Arch("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 128, 152064, False, qkv_bias=True,
+                       model_type="qwen2"),
+    # meta-llama/Llama-3.1-8B: hidden_size 4096, intermediate_size 14336, num_hidden_layers 32,
+    # num_attention_heads 32, num_key_value_heads 8 (head_dim 128), vocab_size 128256, tie_word_embeddings false,
+    # attention_bias false, mlp_bias false
+    "llama-3.1-8b": Arch("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256, False),
+}
+
+# transformers' defaults where a config.json leaves a field out
+_TIED_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "mistral": False}
+_QKV_BIAS = {"qwen2"}  # Qwen2 attention always has q/k/v biases (no config field)
+
+
+def model_key(name: str) -> str:
+    """``"Qwen/Qwen2.5-7B-Instruct"`` -> ``"qwen2.5-7b"``: the organisation, ``-Instruct`` and case dropped."""
+    key = name.strip().lower().rsplit("/", 1)[-1]
+    for suffix in ("-instruct", "-it", "-chat"):
+        key = key.removesuffix(suffix)
+    return key
+
+
+def arch_from_config(config, name: str | None = None) -> Arch:
+    """An :class:`Arch` from a ``config.json`` dict or a ``transformers.PretrainedConfig``."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    text = get("text_config")  # a multimodal config: its language model
+    if text is not None:
+        return arch_from_config(text, name)
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "vocab_size") if get(k) is None]
+    if missing:
+        raise ValueError(f"model config lacks {', '.join(missing)}: not a decoder-only LM config the plan knows.")
+    model_type = str(get("model_type") or "llama")
+    heads = int(get("num_attention_heads"))
+    attention_bias = bool(get("attention_bias", False))
+    tied = get("tie_word_embeddings")
+    if tied is None:
+        tied = _TIED_DEFAULT.get(model_type, True)
+    return Arch(
+        name=name or str(get("_name_or_path") or model_type),
+        hidden=int(get("hidden_size")), intermediate=int(get("intermediate_size")),
+        layers=int(get("num_hidden_layers")), heads=heads,
+        kv_heads=int(get("num_key_value_heads") or heads),
+        head_dim=int(get("head_dim") or int(get("hidden_size")) // heads), vocab=int(get("vocab_size")),
+        tied=bool(tied), qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
+        mlp_bias=bool(get("mlp_bias", False)), model_type=model_type,
+    )
+
+
+def resolve_model(model) -> Arch:
+    """An :class:`Arch` from a name in :data:`MODELS`, a ``config.json`` path, a folder holding one, a config dict,
+    a ``PretrainedConfig`` or an :class:`Arch`; a ``ValueError`` naming the known names otherwise."""
+    if isinstance(model, Arch):
+        return model
+    if isinstance(model, dict) or hasattr(model, "to_dict"):
+        return arch_from_config(model)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a name, a config.json path, a folder or a PretrainedConfig, got "
+                         f"{type(model).__name__}.")
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"model folder {os.fspath(model)!r} has no config.json.")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return arch_from_config(json.load(f), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+    key = model_key(path)
+    if key in MODELS:
+        return MODELS[key]
+    raise ValueError(f"unknown model {os.fspath(model)!r}: not a config.json or a folder holding one, nor a known "
+                     f"name ({', '.join(MODELS)}).")
+
+
+def with_layers(arch: Arch, layers: int) -> Arch:
+    """The same architecture with another number of blocks (e.g. a shallow stand-in measured on CPU)."""
+    return replace(arch, layers=layers, name=f"{arch.name} ({layers} layers)")

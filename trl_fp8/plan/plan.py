@@ -1,0 +1,644 @@
+"""The memory plan: per-component bytes of a GRPO run for a model config, its settings and a device.
+
+:func:`memory_plan` adds up what the model, TRL's trainer and every trl_fp8 capability allocate (each capability
+states its own rows: :meth:`trl_fp8.capability.Capability.memory_rows`), per parameter of what, on the device's
+cards, and says whether it fits and, if not, the one change that would make it fit. Arithmetic only: no weights are
+loaded and nothing is allocated (the capability list is imported when a plan is made, not when this module is).
+
+The peak of a card is its persistent rows plus the larger of the two transient phases (a loss forward/backward and
+the optimizer step; a generation), plus the CUDA context and the caching allocator's slack (estimates). Within the
+training phase the rows are summed: gradients fill while activations drain, so the sum bounds the peak from above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from types import SimpleNamespace
+
+from .activations import (VOCAB_CHUNK, TOKEN_CHUNK, recompute_bytes, saved_bytes, shape_of)
+from .devices import DEVICES, GIB, Device, resolve_device
+from .models import PROJECTIONS, resolve_model
+from ..memory import GENERATION, PERSISTENT, TRAINING, Row, bytes_text, count_text, per
+from .spec import FP32, HALF, LoraSpec, PlanSpec, QuantSpec, Rollout
+
+CUDA_CONTEXT = int(0.4 * GIB)  # CUDA context, cuBLAS workspace and loaded kernels: an estimate (not measured here)
+ALLOCATOR_SLACK = 0.05  # the caching allocator's fragmentation, as a fraction of the allocated peak: an estimate
+ENGINE_OVERHEAD = int(0.5 * GIB)  # a vLLM engine's profiling activations and graphs beside weights and KV: estimate
+SERVER_UTILIZATION = 0.9  # `trl vllm-serve --gpu_memory_utilization` default
+DEFAULT_PROMPT_LENGTH = 256
+VLLM_MODES = ("off", "colocate", "server")
+PRECISIONS = ("bf16", "fp16", "fp32")
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
+
+# The recipe a free-tier user runs with every trl_fp8 capability that applies switched on (`trl-fp8 plan`'s defaults).
+FREE_TIER = {
+    "fair_cast": "stochastic", "lora_serving": "adapters", "sync_checks": "default", "duet": True,
+    "fast_qlora": "auto", "gradient_checkpointing": True, "precision": "auto",
+}
+
+
+@dataclass
+class Plan:
+    """A memory plan: ``rows`` (model, trainer, capabilities, generation, engine, CUDA), per-card ``totals``,
+    ``fits``, the ``problems`` that make it not fit and the one change (``suggestion``) that would."""
+
+    spec: PlanSpec
+    rows: list[Row]
+    totals: dict[int, dict[str, int]]
+    fits: bool
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    suggestion: str | None = None
+
+    @property
+    def device(self) -> Device:
+        return self.spec.device
+
+    @property
+    def total(self) -> int:
+        """The trainer card's expected peak (bytes), CUDA context and allocator slack included."""
+        return self.totals[0]["total"]
+
+    def largest(self, n: int = 3) -> list[Row]:
+        return sorted(self.rows, key=lambda r: -r.bytes)[:n]
+
+    def by_category(self) -> dict[str, int]:
+        """The rows that :func:`trl_fp8.plan.measure` checks, summed by category."""
+        out: dict[str, int] = {}
+        for row in self.rows:
+            if row.category is not None:
+                out[row.category] = out.get(row.category, 0) + row.bytes
+        return out
+
+    def to_dict(self) -> dict:
+        s = self.spec
+        return {
+            "model": s.arch.name, "device": {"name": s.device.name, "usable_bytes": s.device.usable,
+                                             "gpus": s.device.gpus},
+            "method": method_name(s), "settings": settings(s),
+            "rows": [r.as_dict() for r in self.rows],
+            "totals": {str(k): v for k, v in self.totals.items()},
+            "total_bytes": self.total, "fits": self.fits, "problems": self.problems, "notes": self.notes,
+            "suggestion": self.suggestion, "largest": [r.item for r in self.largest()],
+        }
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------------
+def _defaults() -> dict:
+    """Every ``trl_fp8.GRPOConfig`` field at its class default (TRL's and each capability's), without building a
+    config (which would resolve precision for this machine, not the one planned for)."""
+    from dataclasses import MISSING
+
+    from ..config import GRPOConfig
+
+    out = {}
+    for f in fields(GRPOConfig):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+class _Args(SimpleNamespace):
+    """The run's settings: the given config's attributes over the class defaults."""
+
+
+def run_args(args=None, **overrides) -> _Args:
+    """The settings a plan reads (``spec.args``): ``args`` (a ``GRPOConfig``, a dict of its fields or None) over
+    every field's default, then ``overrides``."""
+    values = _defaults()
+    if isinstance(args, dict):
+        unknown = sorted(set(args) - set(values))
+        if unknown:
+            raise ValueError(f"unknown GRPOConfig field(s) {', '.join(unknown)}.")
+        values.update(args)
+    elif args is not None:
+        values.update({k: getattr(args, k) for k in values if hasattr(args, k)})
+    values.update(overrides)
+    return _Args(**values)
+
+
+def _lora(peft) -> LoraSpec | None:
+    if peft is None or peft is False:
+        return None
+    if isinstance(peft, LoraSpec):
+        return peft
+    if peft is True:
+        return LoraSpec()
+    if isinstance(peft, int):
+        r, targets = peft, "all-linear"
+    elif isinstance(peft, dict):
+        r, targets = peft.get("r", 16), peft.get("target_modules", "all-linear")
+    else:  # a peft.LoraConfig
+        kind = str(getattr(peft, "peft_type", "LORA")).rsplit(".", 1)[-1]
+        if kind != "LORA":
+            raise ValueError(f"peft: the plan knows LoRA (LoraConfig), not {kind}.")
+        r, targets = getattr(peft, "r", 16), getattr(peft, "target_modules", None) or "all-linear"
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"LoRA rank r must be an integer >= 1, got {r!r}.")
+    if targets in ("all-linear", "all", None):
+        targets = PROJECTIONS
+    targets = tuple(targets) if not isinstance(targets, str) else tuple(t.strip() for t in targets.split(","))
+    unknown = [t for t in targets if t not in PROJECTIONS]
+    if unknown:
+        raise ValueError(f"LoRA target_modules {', '.join(unknown)} unknown; allowed: {', '.join(PROJECTIONS)} or "
+                         "'all-linear'.")
+    return LoraSpec(r, tuple(p for p in PROJECTIONS if p in targets))
+
+
+def _quant(quantization) -> QuantSpec | None:
+    if quantization in (None, False, "none", "off"):
+        return None
+    if isinstance(quantization, QuantSpec):
+        return quantization
+    if quantization is True or quantization in ("nf4", "4bit", "qlora"):
+        return QuantSpec()
+    if quantization == "fp4":
+        return QuantSpec("fp4")
+    get = quantization.get if isinstance(quantization, dict) else (lambda k, d=None: getattr(quantization, k, d))
+    if get("load_in_8bit", False):
+        raise ValueError("quantization: 8-bit (LLM.int8) bases are not planned; use load_in_4bit (NF4).")
+    if not get("load_in_4bit", True):
+        return None
+    kind = get("bnb_4bit_quant_type", get("kind", "nf4"))
+    if kind not in ("nf4", "fp4"):
+        raise ValueError(f"bnb_4bit_quant_type must be 'nf4' or 'fp4', got {kind!r}.")
+    return QuantSpec(kind, bool(get("bnb_4bit_use_double_quant", get("double_quant", True))),
+                     int(get("blocksize", 64)))
+
+
+def _precision(args, device: Device, precision: str | None) -> str:
+    value = precision or getattr(args, "precision", None)
+    if value in PRECISIONS:
+        return value
+    if value not in (None, "auto"):
+        raise ValueError(f"precision={value!r} is not valid; allowed values: 'auto', {', '.join(PRECISIONS)}.")
+    return "bf16" if device.bf16 else "fp16"
+
+
+def method_name(spec: PlanSpec) -> str:
+    if spec.full:
+        return "full fine-tuning"
+    lora = f"LoRA r={spec.lora.r} on {len(spec.lora.targets)} projections"
+    return f"QLoRA ({spec.quant.label}) + {lora}" if spec.quant else lora
+
+
+def settings(spec: PlanSpec) -> dict:
+    a = spec.args
+    return {
+        "fair_cast": getattr(a, "fair_cast", "off"), "lora_serving": spec.lora_serving,
+        "sync_checks": getattr(a, "sync_checks", "default"), "duet": bool(getattr(a, "duet", False)),
+        "fast_qlora": getattr(a, "fast_qlora", "off"), "vllm": spec.vllm,
+        "gradient_checkpointing": spec.gradient_checkpointing, "chunked_logits": spec.chunked_logits,
+        "optimizer": spec.optimizer, "compute": {2: "16-bit autocast", 4: "fp32"}[spec.compute_bytes],
+        "precision": spec.extra.get("precision"), "base_bytes": spec.base_bytes,
+        "adapter_bytes": spec.adapter_bytes if spec.lora else None,
+        "rollout": {"prompt_length": spec.rollout.prompt_length,
+                    "completion_length": spec.rollout.completion_length,
+                    "micro_batch": spec.rollout.micro_batch, "generation_batch": spec.rollout.generation_batch},
+    }
+
+
+def make_spec(model, args=None, *, peft=None, quantization=None, device="t4", rollout=None, base_dtype=None,
+              lora_serving=None, optimizer=None, vllm=None, gradient_checkpointing=None, chunked_logits=True,
+              precision=None, prompt_length=None) -> PlanSpec:
+    """The :class:`PlanSpec` of :func:`memory_plan` (same arguments)."""
+    arch = resolve_model(model)
+    device = resolve_device(device)
+    run = _Args(**vars(args)) if isinstance(args, _Args) else run_args(args)  # a copy: the plan sets fields
+    lora, quant = _lora(peft), _quant(quantization)
+    if quant is not None and lora is None:
+        raise ValueError("quantization (a 4-bit base) needs LoRA adapters to train: pass peft (QLoRA), or no "
+                         "quantization for full fine-tuning.")
+    prec = _precision(run, device, precision)
+    if prec == "bf16" and not device.bf16:
+        raise ValueError(f"precision='bf16' on {device.name}: the card has no native bf16 (use 'fp16' or 'auto').")
+    run.bf16, run.fp16 = prec == "bf16", prec == "fp16"
+    if prec == "fp16" and getattr(run, "served_dtype", "bfloat16") == "bfloat16":
+        run.served_dtype = "float16"  # Fair Cast's adapt_precision under fp16 autocast
+    compute = FP32 if prec == "fp32" else HALF
+    if base_dtype is None:
+        init = getattr(run, "model_init_kwargs", None) or {}
+        base_dtype = init.get("dtype") if isinstance(init, dict) else None
+        if base_dtype in (None, "auto"):
+            base_dtype = "float32" if lora is None else ("float16" if prec == "fp16" else "bfloat16")
+    base_dtype = str(base_dtype).removeprefix("torch.")
+    if base_dtype not in DTYPE_BYTES:
+        raise ValueError(f"base_dtype={base_dtype!r} is not valid; allowed values: float32, bfloat16, float16.")
+    base = DTYPE_BYTES[base_dtype]
+    serving = lora_serving or ("merged" if getattr(run, "lora_serving", "auto") == "merged" else "adapters")
+    if serving not in ("adapters", "merged"):
+        raise ValueError(f"lora_serving={serving!r} is not valid; allowed values: 'adapters', 'merged'.")
+    run.lora_serving = serving
+    fair_cast = getattr(run, "fair_cast", "off") != "off"
+    if fair_cast and lora is None and base != FP32:
+        raise ValueError("fair_cast with full fine-tuning needs fp32 master weights: base_dtype='float32' (Fair Cast "
+                         "refuses a 16-bit model).")
+    if quant is None:
+        adapter = FP32  # PEFT upcasts factors over a 16/32-bit base to fp32 (autocast_adapter_dtype)
+    else:  # TRL 1.16 casts QLoRA factors to bf16; Fair Cast's adapter serving needs (and makes) fp32 masters
+        adapter = FP32 if fair_cast and serving == "adapters" else HALF
+    if vllm is None:
+        vllm = getattr(run, "vllm_mode", "colocate") if getattr(run, "use_vllm", False) else "off"
+    if vllm not in VLLM_MODES:
+        raise ValueError(f"vllm={vllm!r} is not valid; allowed values: {', '.join(VLLM_MODES)}.")
+    if vllm == "server" and device.gpus < 2:
+        raise ValueError(f"vllm='server' puts the engine on a second GPU; device {device.name!r} has one "
+                         f"(use 2xt4, or vllm='colocate').")
+    run.use_vllm = vllm != "off"
+    if run.use_vllm:
+        run.vllm_mode = vllm
+    if gradient_checkpointing is None:
+        gradient_checkpointing = bool(getattr(run, "gradient_checkpointing", True))
+    run.gradient_checkpointing = gradient_checkpointing
+    if optimizer is None:
+        optimizer = "adamw_8bit" if "8bit" in str(getattr(run, "optim", "adamw_torch")) else "adamw"
+    if optimizer not in ("adamw", "adamw_8bit"):
+        raise ValueError(f"optimizer={optimizer!r} is not valid; allowed values: 'adamw', 'adamw_8bit'.")
+    if isinstance(rollout, Rollout):
+        shape = rollout
+    else:
+        given = dict(rollout or {})
+        micro = int(given.pop("micro_batch", getattr(run, "per_device_train_batch_size", 8)))
+        steps = getattr(run, "steps_per_generation", None) or getattr(run, "gradient_accumulation_steps", 1)
+        shape = Rollout(
+            prompt_length=int(given.pop("prompt_length", prompt_length or DEFAULT_PROMPT_LENGTH)),
+            completion_length=int(given.pop("completion_length", getattr(run, "max_completion_length", 512))),
+            micro_batch=micro, generation_batch=int(given.pop("generation_batch", micro * int(steps))))
+        if given:
+            raise ValueError(f"rollout: unknown key(s) {', '.join(sorted(given))}; allowed: prompt_length, "
+                             "completion_length, micro_batch, generation_batch.")
+    shape.check()
+    return PlanSpec(arch=arch, args=run, device=device, rollout=shape, lora=lora, quant=quant, base_bytes=base,
+                    compute_bytes=compute, adapter_bytes=adapter, vllm=vllm, lora_serving=serving,
+                    gradient_checkpointing=gradient_checkpointing, chunked_logits=chunked_logits,
+                    optimizer=optimizer, extra={"precision": prec})
+
+
+# -- which sampler generates, and what its sync streams ---------------------------------------------------------------
+def sampler_of(spec: PlanSpec) -> dict:
+    """The one sampler of the run and what feeds it, as the trainer decides it (composition's offers): a vLLM engine
+    fed a stream; Fair Cast's in-process twin (full fine-tuning, or merged LoRA serving); fast QLoRA's rollout cache
+    (4-bit LoRA in-process, no twin); otherwise the learner itself.
+
+    ``fresh_stream_bytes``: bytes a stream derives anew (kept by the weight-sync checks' learner side);
+    ``reference_cast_params``: fp32 parameters the logprob check casts to the engine's dtype for its reference."""
+    a = spec.args
+    fair_cast = getattr(a, "fair_cast", "off") != "off"
+    fast_qlora = getattr(a, "fast_qlora", "off") != "off" and spec.quant is not None and spec.lora is not None
+    twin = fair_cast and not spec.use_vllm and (spec.full or spec.lora_serving == "merged")
+    out = {"kind": "policy", "fresh_stream_bytes": 0, "reference_cast_params": 0, "stream_bytes": 0}
+    if spec.use_vllm:
+        out["kind"] = "vllm"
+        if spec.full:
+            out["stream_bytes"] = HALF * spec.base_params
+        elif fair_cast and spec.lora_serving == "adapters" or not fair_cast and spec.quant is None:
+            # adapters: the served factors (Fair Cast) or the factors themselves, cast to the engine's dtype
+            out["stream_bytes"] = HALF * spec.adapter_params
+        else:
+            out["stream_bytes"] = HALF * spec.base_params
+        if fast_qlora and not fair_cast:  # fast QLoRA streams dequant(W) + ΔW, derived layer by layer
+            out["fresh_stream_bytes"] = HALF * spec.base_params
+            out["fresh_stream_per"] = per(HALF, "base params (dense dequant(W) + ΔW kept for quant_parity)",
+                                          spec.base_params)
+        elif not fair_cast:  # TRL's stream: the learner's own tensors; the reference casts its fp32 ones
+            out["reference_cast_params"] = spec.base_params if spec.full or spec.base_bytes == FP32 else 0
+            if spec.lora is not None and spec.adapter_bytes == FP32:
+                out["reference_cast_params"] += spec.adapter_params
+    elif twin:
+        out["kind"] = "twin"
+        out["stream_bytes"] = HALF * spec.base_params
+    elif fast_qlora:
+        out["kind"] = "rollout_cache"
+    return out
+
+
+# -- the model's and the trainer's own rows --------------------------------------------------------------------------
+def _optimizer_rows(spec: PlanSpec) -> list[Row]:
+    tensors = spec.trainable_tensors()
+    n = sum(t.numel for t in tensors)
+    if spec.optimizer == "adamw":
+        tb = spec.trainable_bytes
+        return [Row("AdamW state (exp_avg, exp_avg_sq, step)", 2 * tb * n + FP32 * len(tensors),
+                    per(2 * tb, "trainable params", n) + f" + 4 B step × {len(tensors)} tensors", PERSISTENT,
+                    "trainer", "optimizer")]
+    big = [t.numel for t in tensors if t.numel >= 4096]  # bitsandbytes min_8bit_size
+    small = n - sum(big)
+    nbytes = sum(2 * m + 2 * FP32 * -(-m // 256) for m in big) + 2 * FP32 * small + (2 * 256 * FP32 if big else 0)
+    return [Row("8-bit AdamW state (bitsandbytes, blockwise)", nbytes,
+                f"2 B + 8 B/256 × trainable params ({count_text(n)}; tensors < 4096: 8 B)", PERSISTENT,
+                "trainer", "optimizer")]
+
+
+def _model_rows(spec: PlanSpec) -> list[Row]:
+    a = spec.arch
+    rows = []
+    dtype = {4: "fp32", 2: "16-bit"}[spec.base_bytes]
+    if spec.quant is None:
+        rows.append(Row(f"base weights ({dtype})", spec.base_bytes * spec.base_params,
+                        per(spec.base_bytes, "base params", spec.base_params), PERSISTENT, "model", "base"))
+    else:
+        q = [t for t in spec.base_tensors() if t.kind == "linear"]
+        qn = sum(t.numel for t in q)
+        rows.append(Row(f"base weights, 4-bit ({spec.quant.label})", sum(spec.quant.weight_bytes(t.numel) for t in q),
+                        f"1/2 B + absmax × linear params ({count_text(qn)})", PERSISTENT, "model", "base"))
+        rest = spec.base_params - qn
+        rows.append(Row(f"base weights kept {dtype} (embeddings, norms, biases, LM head)", spec.base_bytes * rest,
+                        per(spec.base_bytes, "other base params", rest), PERSISTENT, "model", "base"))
+    rows.append(Row("model buffers (rotary inv_freq)", a.buffer_bytes(), "4 B × head_dim (fp32)", PERSISTENT, "model",
+                    "buffers"))
+    if spec.lora is not None:
+        rows.append(Row(f"LoRA adapters ({'fp32' if spec.adapter_bytes == FP32 else '16-bit'})",
+                        spec.adapter_bytes * spec.adapter_params,
+                        per(spec.adapter_bytes, "adapter params", spec.adapter_params), PERSISTENT, "model",
+                        "adapters"))
+    if float(getattr(spec.args, "beta", 0.0) or 0.0) > 0 and spec.full:
+        rows.append(Row("reference model (beta > 0)", spec.base_bytes * spec.base_params + a.buffer_bytes(),
+                        per(spec.base_bytes, "base params", spec.base_params), PERSISTENT, "trainer",
+                        "reference_model"))
+    rows += _optimizer_rows(spec)
+    tb, n = spec.trainable_bytes, spec.trainable_params
+    rows.append(Row("gradients", tb * n, per(tb, "trainable params", n), TRAINING, "trainer", "gradients"))
+    return rows
+
+
+def _activation_rows(spec: PlanSpec) -> list[Row]:
+    shape = shape_of(spec)
+    rows = []
+    saved = sum(saved_bytes(shape, spec.gradient_checkpointing).values())
+    tokens = f"{spec.rollout.micro_batch} × {spec.rollout.seq} tokens"
+    if spec.gradient_checkpointing:
+        rows.append(Row("activations: block inputs saved (gradient checkpointing) + LM head inputs", saved,
+                        f"{spec.base_bytes} B × hidden × layers per token ({tokens})", TRAINING, "trainer"))
+        rows.append(Row("activations: one block recomputed in backward", recompute_bytes(shape),
+                        f"one block's saved tensors + fp32 output gradient ({tokens})", TRAINING, "trainer"))
+        cached = _autocast_cache(spec)
+        if cached:
+            rows.append(Row("autocast's 16-bit copies of fp32 trained weights (until the forward ends)", cached,
+                            per(spec.compute_bytes, "trained linear params", cached // spec.compute_bytes),
+                            TRAINING, "trainer"))
+    else:
+        rows.append(Row("activations saved for backward (no gradient checkpointing)", saved,
+                        f"every block's saved tensors ({tokens})", TRAINING, "trainer"))
+    if spec.quant is not None:
+        largest = spec.largest_linear()
+        rows.append(Row("4-bit dequantization scratch (one projection)", HALF * largest,
+                        per(HALF, "params of the largest projection", largest), TRAINING, "trainer"))
+    return rows
+
+
+def _autocast_cache(spec: PlanSpec) -> int:
+    """Checkpointed forward under autocast: the compute-dtype casts of trained fp32 leaf weights stay in autocast's
+    cache until the forward's autocast ends (not saved; freed before backward)."""
+    if spec.compute_bytes >= FP32:
+        return 0
+    if spec.full and spec.base_bytes == FP32:
+        return spec.compute_bytes * sum(t.numel for t in spec.base_tensors() if t.kind in ("linear", "bias"))
+    if spec.lora is not None and spec.adapter_bytes == FP32:
+        return spec.compute_bytes * spec.adapter_params
+    return 0
+
+
+def _logits_rows(spec: PlanSpec) -> list[Row]:
+    a = spec.arch
+    n = spec.completion_tokens
+    cb = spec.compute_bytes
+    if not spec.chunked_logits:
+        return [Row("completion logits, not chunked (logits, fp32 log-softmax and its gradient)", n * a.vocab *
+                    (cb + 2 * FP32), per(cb + 2 * FP32, "completion tokens × vocab", n * a.vocab), TRAINING,
+                    "trainer")]
+    tile = min(n, TOKEN_CHUNK) * min(a.vocab, VOCAB_CHUNK)
+    rows = [Row("completion logits: one tile (TRL 1.16's chunked LM head)", cb * tile,
+                per(cb, f"min(tokens, {TOKEN_CHUNK}) × min(vocab, {VOCAB_CHUNK})", tile), TRAINING, "trainer")]
+    head_bytes = spec.base_bytes
+    extra = 0 if head_bytes == cb else cb * min(a.vocab, VOCAB_CHUNK) * a.hidden  # weight[start:end].to(compute)
+    grad = FP32 * n * a.hidden + (0 if spec.base_bytes == FP32 else spec.base_bytes * n * a.hidden)
+    what = "fp32 gradient of the scored hidden states"
+    if spec.full:  # the head (or the tied embedding) trains: an fp32 accumulator of its gradient
+        grad += FP32 * a.vocab * a.hidden + (0 if spec.base_bytes == FP32 else spec.base_bytes * a.vocab * a.hidden)
+        what += " and of the LM head weight"
+    rows.append(Row(f"LM head backward: {what}", grad + extra,
+                    f"4 B × completion tokens × hidden ({count_text(n * a.hidden)})"
+                    + (f" + 4 B × vocab × hidden ({count_text(a.vocab * a.hidden)})" if spec.full else ""),
+                    TRAINING, "trainer"))
+    return rows
+
+
+def _generation_rows(spec: PlanSpec, sampler: dict) -> list[Row]:
+    a, r = spec.arch, spec.rollout
+    rows = []
+    if spec.use_vllm:
+        largest = max(t.numel for t in spec.base_tensors())
+        if spec.full or sampler["stream_bytes"] > HALF * spec.adapter_params:
+            rows.append(Row("sync buffer: one tensor cast to the engine's dtype", HALF * largest,
+                            per(HALF, "params of the largest tensor", largest), GENERATION, "trainer"))
+        else:
+            rows.append(Row("sync buffer: the adapters in the engine's dtype", HALF * spec.adapter_params,
+                            per(HALF, "adapter params", spec.adapter_params), GENERATION, "trainer"))
+        return rows
+    kv_bytes = HALF if sampler["kind"] in ("twin", "rollout_cache") else spec.base_bytes
+    if sampler["kind"] == "policy" and spec.quant is not None:
+        kv_bytes = spec.base_bytes
+    tokens = r.generation_batch * r.seq
+    per_token = a.kv_bytes_per_token(kv_bytes)
+    grow = r.generation_batch * r.seq * 2 * a.kv_heads * a.head_dim * kv_bytes  # torch.cat: one layer twice
+    rows.append(Row(f"KV cache (in-process generate, {'fp32' if kv_bytes == FP32 else '16-bit'})",
+                    tokens * per_token + grow,
+                    f"{bytes_text(per_token)}/token × {r.generation_batch} × {r.seq} tokens (+ one layer growing)",
+                    GENERATION, "trainer"))
+    gb = kv_bytes
+    scratch = r.generation_batch * r.prompt_length * 3 * a.intermediate * gb + \
+        r.generation_batch * r.seq * r.seq * gb + 3 * r.generation_batch * a.vocab * FP32
+    rows.append(Row("generation scratch (prefill of one block, mask, sampling logits)", scratch,
+                    "rows × prompt × 3 × intermediate + rows × seq² + 3 × rows × vocab × 4 B", GENERATION,
+                    "trainer", exact=False))
+    if spec.quant is not None and sampler["kind"] == "policy":
+        largest = spec.largest_linear()
+        rows.append(Row("4-bit dequantization scratch (one projection)", HALF * largest,
+                        per(HALF, "params of the largest projection", largest), GENERATION, "trainer"))
+    rows.append(Row("sync: in-process (the sampler's own tensors, no buffer)", 0, "0 B", GENERATION, "trainer"))
+    return rows
+
+
+def engine_weight_bytes(spec: PlanSpec) -> int:
+    """A vLLM engine's copy of the model: 16-bit, or (QLoRA) the 4-bit base bitsandbytes builds on CUDA, plus one LoRA
+    slot in 16-bit for a LoRA run (adapters served, not merged)."""
+    weights = sum(spec.quant.weight_bytes(t.numel) if spec.quantized(t) else HALF * t.numel
+                  for t in spec.base_tensors())
+    return weights + (HALF * spec.adapter_params if spec.lora is not None else 0)
+
+
+def _engine_rows(spec: PlanSpec) -> tuple[list[Row], list[str], list[str]]:
+    rows, problems, notes = [], [], []
+    if not spec.use_vllm:
+        return rows, problems, notes
+    usable = spec.device.usable
+    if spec.vllm == "colocate":
+        util, gpu = float(getattr(spec.args, "vllm_gpu_memory_utilization", 0.3)), 0
+    else:
+        util, gpu = SERVER_UTILIZATION, 1
+    reservation = int(util * usable)
+    rows.append(Row(f"vLLM engine ({spec.vllm}): gpu_memory_utilization × card", reservation,
+                    f"{util:g} × {bytes_text(usable)}", PERSISTENT, "engine", gpu=gpu))
+    weights = engine_weight_bytes(spec)
+    kv_room = reservation - weights - ENGINE_OVERHEAD
+    one_seq = spec.arch.kv_bytes_per_token(HALF) * spec.rollout.seq
+    need = one_seq * spec.rollout.generation_batch
+    notes.append(f"vLLM engine: weights {bytes_text(weights)} + ~{bytes_text(ENGINE_OVERHEAD)} overhead in a "
+                 f"{bytes_text(reservation)} reservation leave {bytes_text(max(0, kv_room))} of KV cache; the "
+                 f"rollouts need {bytes_text(need)} ({spec.rollout.generation_batch} × {spec.rollout.seq} tokens).")
+    if kv_room < one_seq:
+        low = (weights + ENGINE_OVERHEAD + need) / usable
+        problems.append(f"the vLLM engine cannot start: {bytes_text(weights)} of weights leave no room for one "
+                        f"sequence's KV cache in gpu_memory_utilization={util:g} × the card; it needs about "
+                        f"{low:.2f}" + (" (more than the card)" if low > 1 else ""))
+    elif kv_room < need:
+        notes.append("vLLM will run the rollouts in several waves (KV cache smaller than the batch).")
+    return rows, problems, notes
+
+
+# -- the plan ------------------------------------------------------------------------------------------------------
+def _capability_rows(spec: PlanSpec, capabilities) -> list[Row]:
+    rows = []
+    for capability in capabilities:
+        if capability.wanted(spec.args):
+            rows += list(capability.memory_rows(spec))
+    return rows
+
+
+def _phase_sums(rows: list[Row], gpu: int) -> dict[str, int]:
+    out = {PERSISTENT: 0, TRAINING: 0, GENERATION: 0}
+    for row in rows:
+        if row.gpu == gpu:
+            out[row.phase] += row.bytes
+    return out
+
+
+def _totals(spec: PlanSpec, rows: list[Row]) -> dict[int, dict[str, int]]:
+    totals = {}
+    for gpu in sorted({0} | {r.gpu for r in rows}):
+        s = _phase_sums(rows, gpu)
+        if gpu == 0:
+            peak = s[PERSISTENT] + max(s[TRAINING], s[GENERATION])
+            slack = int(ALLOCATOR_SLACK * peak)
+            total = peak + CUDA_CONTEXT + slack
+            totals[gpu] = {"persistent": s[PERSISTENT], "training": s[TRAINING], "generation": s[GENERATION],
+                           "allocated_peak": peak, "cuda_context": CUDA_CONTEXT, "allocator_slack": slack,
+                           "total": total, "usable": spec.device.usable}
+        else:  # a vLLM server's card: its reservation is all it takes
+            totals[gpu] = {"persistent": s[PERSISTENT], "training": 0, "generation": 0,
+                           "allocated_peak": s[PERSISTENT], "cuda_context": 0, "allocator_slack": 0,
+                           "total": s[PERSISTENT], "usable": spec.device.usable}
+    return totals
+
+
+def plan_for(spec: PlanSpec, capabilities=None) -> Plan:
+    """The plan of a :class:`PlanSpec` (see :func:`memory_plan`), without looking for a change that would fit."""
+    if capabilities is None:
+        from ..registry import CAPABILITIES as capabilities
+    sampler = sampler_of(spec)
+    spec = replace(spec, extra={**spec.extra, "sampler": sampler})
+    own = _model_rows(spec) + _activation_rows(spec) + _logits_rows(spec) + _generation_rows(spec, sampler)
+    engine, problems, notes = _engine_rows(spec)
+    rows = own + _capability_rows(spec, capabilities) + engine
+    if any(r.elastic for r in rows):  # second pass: elastic rows take what the others leave free at generation
+        fixed = [r for r in rows if not r.elastic]
+        t = _totals(spec, fixed)[0]
+        free = spec.device.usable - t["total"]
+        spec = replace(spec, extra={**spec.extra, "free_bytes": max(0, free)})
+        rows = own + _capability_rows(spec, capabilities) + engine
+    totals = _totals(spec, rows)
+    t = totals[0]
+    if t["total"] > t["usable"]:
+        problems.insert(0, f"the trainer's card needs {bytes_text(t['total'])}, {bytes_text(t['total'] - t['usable'])}"
+                        f" more than the {bytes_text(t['usable'])} usable")
+    for gpu, g in totals.items():
+        if gpu and g["total"] > g["usable"]:
+            problems.append(f"card {gpu} needs {bytes_text(g['total'])} of {bytes_text(g['usable'])}")
+    notes.append("estimates (not counted from the code): CUDA context, allocator slack, generation scratch"
+                 + (", the vLLM engine's overhead" if spec.use_vllm else "") + ".")
+    return Plan(spec, rows, totals, not problems, problems, notes)
+
+
+def memory_plan(model, args=None, *, peft=None, quantization=None, device="t4", rollout=None, base_dtype=None,
+                lora_serving=None, optimizer=None, vllm=None, gradient_checkpointing=None, chunked_logits=True,
+                precision=None, prompt_length=None, capabilities=None, suggest=True) -> Plan:
+    """The memory plan of a GRPO run.
+
+    Args:
+        model: a name from :data:`trl_fp8.plan.MODELS` (``"qwen2.5-7b"``, ``"Qwen/Qwen2.5-7B-Instruct"``, ...), a
+            ``config.json`` path, a folder holding one, a ``transformers.PretrainedConfig`` or an :class:`Arch`.
+        args: the run's ``trl_fp8.GRPOConfig`` (or a dict of its fields); None: every field at its default.
+            Read: Fair Cast, the weight-sync checks, DUET, fast QLoRA, MXFP8, ``lora_serving``, ``use_vllm`` /
+            ``vllm_mode`` / ``vllm_gpu_memory_utilization``, ``gradient_checkpointing``,
+            ``per_device_train_batch_size``, ``steps_per_generation`` / ``gradient_accumulation_steps``,
+            ``max_completion_length``, ``optim``, ``beta``, ``precision``, ``model_init_kwargs["dtype"]``. Use
+            :data:`FREE_TIER` for the free-tier recipe.
+        peft: None (full fine-tuning), a LoRA rank, ``{"r": 16, "target_modules": [...]}`` or a ``peft.LoraConfig``
+            (default targets: all seven projections).
+        quantization: None, ``"nf4"`` (bitsandbytes NF4 with double quantization, blocks of 64), a dict or a
+            ``transformers.BitsAndBytesConfig`` (``load_in_4bit``); needs ``peft`` (QLoRA).
+        device: ``"t4"``, ``"2xt4"``, ``"l4"``, ``"a100-40"``, ``"h100-80"``, a byte count or a :class:`Device`.
+        rollout: a :class:`Rollout` or a dict (``prompt_length``, ``completion_length``, ``micro_batch``,
+            ``generation_batch``); default from ``args`` and a 256-token prompt.
+        base_dtype: the loaded weights' dtype (default: float32 for full fine-tuning, as TRL loads; 16-bit for LoRA).
+        lora_serving / optimizer (``"adamw"``, ``"adamw_8bit"``) / vllm (``"off"``, ``"colocate"``, ``"server"``) /
+            gradient_checkpointing / precision (``"bf16"``, ``"fp16"``, ``"fp32"``; default: the card's):
+            override ``args``.
+        chunked_logits: TRL 1.16's fused LM head (True: what the trainer does) or full logits (for comparison).
+        suggest: when it does not fit, look for the one change that would.
+
+    Returns:
+        a :class:`Plan`: ``rows``, ``totals`` per card, ``fits``, ``problems``, ``suggestion``.
+    """
+    options = dict(peft=peft, quantization=quantization, device=device, rollout=rollout, base_dtype=base_dtype,
+                   lora_serving=lora_serving, optimizer=optimizer, vllm=vllm,
+                   gradient_checkpointing=gradient_checkpointing, chunked_logits=chunked_logits, precision=precision,
+                   prompt_length=prompt_length)
+    spec = make_spec(model, args, **options)
+    plan = plan_for(spec, capabilities)
+    if not plan.fits and suggest:
+        plan.suggestion = _suggest(model, args, options, spec, capabilities)
+    return plan
+
+
+def _suggest(model, args, options: dict, spec: PlanSpec, capabilities) -> str:
+    """The first single change, cheapest first, after which the plan fits."""
+    r = spec.rollout
+    candidates = []
+    if not spec.gradient_checkpointing:
+        candidates.append(("gradient checkpointing on (--gradient-checkpointing)", {"gradient_checkpointing": True}))
+    if spec.lora is not None and spec.lora_serving == "merged":
+        candidates.append(("serve the adapters, not a merged copy (--lora-serving adapters)",
+                           {"lora_serving": "adapters"}))
+    if spec.full and spec.optimizer == "adamw":
+        candidates.append(("8-bit AdamW (--optim adamw_8bit)", {"optimizer": "adamw_8bit"}))
+    if spec.full:
+        candidates.append(("LoRA r=16 over a 16-bit base (--lora-r 16)", {"peft": 16, "base_dtype": None}))
+    if spec.quant is None:
+        candidates.append(("QLoRA: a 4-bit NF4 base with LoRA r=16 (--qlora)",
+                           {"peft": options["peft"] or 16, "quantization": "nf4", "base_dtype": None}))
+    if r.generation_batch > 1 or r.micro_batch > 1:
+        half = {"micro_batch": max(1, r.micro_batch // 2), "generation_batch": max(1, r.generation_batch // 2),
+                "prompt_length": r.prompt_length, "completion_length": r.completion_length}
+        candidates.append((f"half the rows per step ({half['micro_batch']} per micro-batch, --batch-size "
+                           f"{half['micro_batch']})", {"rollout": Rollout(**half)}))
+    if r.completion_length > 128:
+        shorter = Rollout(r.prompt_length, r.completion_length // 2, r.micro_batch, r.generation_batch)
+        candidates.append((f"completions of {shorter.completion_length} tokens (--completion-length "
+                           f"{shorter.completion_length})", {"rollout": shorter}))
+    if spec.device.name == "t4" and spec.use_vllm:
+        candidates.append(("2×T4 with the vLLM server on the second GPU (--device 2xt4 --vllm server)",
+                           {"device": "2xt4", "vllm": "server"}))
+    for name in ("l4", "a100-40", "h100-80"):
+        if DEVICES[name].usable > spec.device.usable:
+            candidates.append((f"a bigger card: --device {name} ({DEVICES[name].note})", {"device": name}))
+    for text, change in candidates:
+        try:
+            trial = plan_for(make_spec(model, args, **{**options, **change}), capabilities)
+        except ValueError:
+            continue
+        if trial.fits:
+            return f"{text}: {bytes_text(trial.total)} of {bytes_text(trial.totals[0]['usable'])}"
+    return "no single change makes it fit on these cards"

@@ -1,0 +1,62 @@
+"""What the weight-sync checks allocate: their rows of the memory plan (``trl-fp8 plan``). A pure function of the
+plan's spec; ``spec.extra["sampler"]`` says which sampler the run generates with and what its sync streams (decided
+by the plan as the trainer decides it: :func:`trl_fp8.plan.plan.sampler_of`).
+
+- The learner side keeps the last streamed tensors (``LearnerSide._current``) for ``quant_parity``: references to
+  tensors held anyway (TRL's parameters, Fair Cast's served copy: 0 B), or, where the stream derives them (fast
+  QLoRA's ``dequant(W) + ΔW`` to vLLM), a dense copy in the engine's dtype for as long as the run lasts.
+- ``logprob_agreement``'s reference forward (a few rows, no gradient) runs on the learner's weights the way the
+  sampler computes: the twin with the export swapped in (0 B), a rollout cache built afresh after the generation's
+  own is dropped (no extra peak), or, for a vLLM engine fed TRL's stream, the learner's fp32 tensors cast to the
+  engine's dtype (a copy for the duration of that forward).
+- The sampler's per-token logprobs travel with the batch (fp32, rows × completion length).
+- ``differential_oracle`` (not in the default set) reloads the sampler from clones at the first sync: about four
+  copies of what is streamed, once.
+"""
+
+from __future__ import annotations
+
+from ..memory import GENERATION, PERSISTENT, TRAINING, Row, per
+
+DEFAULT = ("recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement", "cache_hygiene")
+ALL = DEFAULT + ("differential_oracle",)
+
+
+def enabled_checks(value) -> tuple[str, ...]:
+    """``sync_checks`` as names (``trl_fp8.sync_checks.checks.resolve_checks`` without its validation)."""
+    if isinstance(value, str):
+        presets = {"default": DEFAULT, "all": ALL, "off": ()}
+        if value in presets:
+            return presets[value]
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    return tuple(value)
+
+
+def memory_rows(spec) -> list[Row]:
+    checks = enabled_checks(getattr(spec.args, "sync_checks", "default"))
+    sampler = spec.extra.get("sampler", {})
+    kind = sampler.get("kind", "policy")
+    if not checks:
+        return []
+    if kind == "policy":
+        return [Row("weight-sync checks: nothing to check (the learner generates)", 0, "0 B", PERSISTENT,
+                    "sync_checks", "sync_checks/learner")]
+    rows = []
+    fresh = sampler.get("fresh_stream_bytes", 0)
+    rows.append(Row("weight-sync checks: learner-side reference of the stream", fresh,
+                    sampler.get("fresh_stream_per", "0 B: references to tensors held anyway"), PERSISTENT,
+                    "sync_checks", "sync_checks/learner"))
+    if "logprob_agreement" in checks:
+        cast = sampler.get("reference_cast_params", 0)
+        if cast:
+            rows.append(Row("logprob check: learner cast to the engine's dtype (reference forward)", 2 * cast,
+                            per(2, "fp32 params", cast), GENERATION, "sync_checks"))
+        rows.append(Row("logprob check: sampler logprobs with the batch", spec.rollout.generation_batch *
+                        spec.rollout.completion_length * 4,
+                        f"4 B × rows × completion length ({spec.rollout.generation_batch} × "
+                        f"{spec.rollout.completion_length})", TRAINING, "sync_checks"))
+    if "differential_oracle" in checks:
+        streamed = sampler.get("stream_bytes", 0)
+        rows.append(Row("differential oracle: clones of the sampler state (first sync)", 4 * streamed,
+                        "4 × the streamed bytes", GENERATION, "sync_checks", exact=False))
+    return rows
