@@ -54,7 +54,8 @@ for f in "$DEST"/*-py3[0-9]*-none-any.whl; do
   [ -e "$f" ] || continue
   case "$f" in *"-py${PYV/./}-"*) ;; *) echo "  removing $(basename "$f") (another Python)"; rm -f "$f" ;; esac
 done
-# A slimmed wheel is kept by pip download (same name): --full-wheels fetches the published one again.
+# pip download replaces a slimmed wheel by the published one (the index's hash differs; from pip's cache), and it is
+# slimmed again below unless --full-wheels; removing it first makes that so whatever pip does.
 if [ "$FULL" = 1 ]; then rm -f "$DEST"/bitsandbytes-*.whl; fi
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
