@@ -215,6 +215,29 @@ class Capability:
         """Files *every* process writes into the checkpoint being staged in ``folder`` (e.g. per-rank shard state),
         before its completion marker; ``state_dict`` is written by the main process only."""
 
+    # -- memory: what it allocates (the plan) and what it holds (the measure) --------------------------------------
+    @classmethod
+    def memory_rows(cls, spec) -> list:
+        """What this capability allocates in a run, as :class:`trl_fp8.plan.Row` s (bytes, per parameter of what,
+        when alive, the :meth:`held_tensors` category each is checked against), from the plan's
+        :class:`trl_fp8.plan.PlanSpec`: arithmetic, no tensors. Called by :func:`trl_fp8.plan.memory_plan` when
+        :meth:`wanted`. Default: ``memory_rows(spec)`` of the ``memory`` module in the capability's own package
+        (e.g. ``trl_fp8/fair_cast/memory.py``), none if it has no such module."""
+        import importlib
+        import importlib.util
+
+        package = cls.__module__.rpartition(".")[0]
+        if not package or importlib.util.find_spec(f"{package}.memory") is None:
+            return []
+        return list(importlib.import_module(f"{package}.memory").memory_rows(spec))
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this capability allocated and holds after set-up, by category (the ``category`` of its
+        :meth:`memory_rows`), for :func:`trl_fp8.plan.measure`: its own copies and buffers — not the model's
+        parameters, gradients or optimizer state, nor another capability's tensors (the measure counts each storage
+        once, capabilities first). Default: none."""
+        return {}
+
     def load_process_files(self, trainer, folder: str) -> None:
         """On every process, after ``load_state_dict``: ``folder`` is the checkpoint being resumed, where the files of
         :meth:`save_process_files` are read from (never from where the checkpoint was first written: it may have

@@ -155,6 +155,10 @@ class Duet(Capability):
         self.last_weights = None  # the latest batch's importance weights (global, and this rank's slice)
         return True
 
+    def held_tensors(self) -> dict:
+        """None on the device: the controller's statistics are Python numbers (see :mod:`trl_fp8.duet.memory`)."""
+        return {"duet/state": []}
+
     # -- checkpoints: a resumed run plans as the uninterrupted one would ------------------------------------------
     def state_dict(self) -> dict:
         return {"format": 1, "controller": self.controller.state_dict()}

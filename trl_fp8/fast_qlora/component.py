@@ -254,6 +254,19 @@ class FastQLoRA(Capability):
             text += f"; adapters train in blocks {first}..{n - 1} of {n}"
         return text
 
+    def held_tensors(self) -> dict:
+        """The dense copies of the kept layers (``fast_qlora/dense_copies``) and, under ``base``, the 4-bit modules
+        they stand in for, kept aside to be put back after training (the rollout cache lives only during a
+        generation call). See :mod:`trl_fp8.fast_qlora.memory`."""
+        from ..memory import quant_state_tensors
+
+        dense, aside = [], []
+        for layer, four_bit in self.edits.kept:
+            dense += list(layer.base_layer.parameters())
+            for p in four_bit.parameters():
+                aside += [p] + quant_state_tensors(p)
+        return {"fast_qlora/dense_copies": dense, "base": aside}
+
     def kept_layers(self) -> list[str]:
         return [layer.get_base_layer().source for layer, _ in self.edits.kept]
 

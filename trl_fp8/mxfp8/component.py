@@ -97,6 +97,10 @@ class MXFP8(Capability):
                             strict=False)
         return True
 
+    def held_tensors(self) -> dict:
+        """None: the converted layers compute with the linears' own parameters (see :mod:`trl_fp8.mxfp8.memory`)."""
+        return {"mxfp8/state": []}
+
     def describe(self, model):
         """Every linear weight: its MXFP8 spec as the module computes it, or dense ``excluded``."""
         return linear_specs(model)

@@ -84,6 +84,17 @@ class SyncChecks(Capability):
     # they observe the samplers the others set up, and compare logprobs on the batches DUET adjusted
     after = ("mxfp8", "fast_qlora", "fair_cast", "duet")
 
+    def held_tensors(self) -> dict:
+        """The learner side's last streamed tensors (kept for ``quant_parity``) that are not the model's own: a
+        stream's references to parameters or to Fair Cast's served copy add nothing; a derived stream (fast QLoRA's
+        ``dequant(W) + ΔW`` to vLLM) is a dense copy. See :mod:`trl_fp8.sync_checks.memory`."""
+        from ..memory import storage_key
+
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        own = {storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
+        learner = [t for t in self.monitor.learner._current.values() if storage_key(t) not in own]
+        return {"sync_checks/learner": learner}
+
     def state_dict(self) -> dict:
         return {"format": 1, "monitor": self.monitor.state_dict()}
 

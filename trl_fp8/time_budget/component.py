@@ -344,6 +344,10 @@ class TimeBudget(Capability):
         """What counts against the budget: this session's time, or the run's over every session."""
         return self.session(now) if self.scope == "session" else self.total(now)
 
+    def held_tensors(self) -> dict:
+        """None: a clock, a deadline and a flag (see :mod:`trl_fp8.time_budget.memory`)."""
+        return {"time_budget/state": []}
+
     # -- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         now = self.clock()
