@@ -1,0 +1,56 @@
+"""``trl-fp8 plan``: the must-show commands, JSON, and one-line errors naming the flag and the allowed values."""
+
+import json
+import subprocess
+import sys
+
+from trl_fp8.app.cli import PLAN_FAIR_CAST, config_choices, main
+
+
+def test_7b_qlora_on_a_t4_fits(capsys):
+    assert main(["plan", "--model", "qwen2.5-7b", "--qlora", "--device", "t4"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" in out.splitlines()
+    total = next(line for line in out.splitlines() if line.startswith("total (trainer card)"))
+    used, usable = (float(x.split()[0]) for x in total.split(": ", 1)[1].split(" of "))
+    assert used < usable == 14.70
+    for item in ("base weights, 4-bit", "LoRA adapters", "AdamW state", "activations", "completion logits",
+                 "KV cache", "Fair Cast served adapters", "CUDA context"):
+        assert item in out, item
+
+
+def test_7b_full_fine_tuning_on_a_t4_does_not(capsys):
+    assert main(["plan", "--model", "qwen2.5-7b", "--device", "t4"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: no" in out.splitlines()
+    assert "largest items: AdamW state" in out and "--qlora" in out
+
+
+def test_json(capsys):
+    assert main(["plan", "--model", "smollm2-135m", "--full", "--fair-cast", "rtn", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True and data["settings"]["fair_cast"] == "rtn" and data["method"] == "full fine-tuning"
+
+
+def test_bad_input_is_one_line_naming_the_flag(capsys):
+    assert main(["plan", "--model", "qwen9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trl-fp8 plan: error: --model: unknown model 'qwen9'") and "qwen2.5-7b" in err
+    assert main(["plan", "--model", "qwen2.5-7b", "--device", "k80"]) == 2
+    err = capsys.readouterr().err
+    assert "--device: device 'k80' is not valid: allowed values are t4, 2xt4, l4, a100-40, h100-80" in err
+    assert main(["plan", "--model", "qwen2.5-7b", "--qlora", "--vllm", "server"]) == 2
+    assert "second GPU" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen2.5-7b", "--full", "--lora-r", "8"]) == 2
+    assert main(["plan", "--model", "qwen2.5-7b", "--fair-cast", "sr"]) == 2
+    assert "invalid choice: 'sr'" in capsys.readouterr().err
+
+
+def test_fair_cast_choices_are_the_config_s():
+    assert list(PLAN_FAIR_CAST) == config_choices("fair_cast")
+
+
+def test_the_console_script_exits_0_and_prints_the_verdict():
+    done = subprocess.run([sys.executable, "-m", "trl_fp8.app.cli", "plan", "--model", "smollm2-135m", "--qlora",
+                           "--device", "t4"], capture_output=True, text=True)
+    assert done.returncode == 0 and "fits: yes" in done.stdout
