@@ -12,6 +12,8 @@ import types
 import pytest
 import torch
 
+from trl_fp8.samplers import lora_sampler
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -188,7 +190,7 @@ def test_engine_serves_pushed_factors_as_a_new_lora_version(engine, tiny_model_d
         assert first.version == 0 and first.lora_id == 1 and lora.resident_ids() == [1]
         assert set(first.names) == set(state["factors"]) and len(first.names) == 2 * 3 * 2  # A, B; 3 modules; 2 layers
         # what the kernels compute with is bitwise what was sent: vLLM applied no scaling of its own to B
-        sampler = lora.sampler()
+        sampler = lora_sampler(lora)
         assert set(sampler.manifest()) == set(state["factors"])
         for name, sent in state["factors"].items():
             assert torch.equal(sampler.read(name), sent), name
@@ -261,7 +263,7 @@ def test_weight_sync_checks_observe_the_lora_push(engine, tiny_model_dir):
     generation, lora, state = _install(llm, spec, model)
     learner = LearnerSide(lambda: iter(state["factors"].items()),
                           {n: numerics.dense(torch.float32) for n in state["factors"]})
-    monitor = SyncMonitor("all", lora.sampler(list(learner.shapes)), learner)
+    monitor = SyncMonitor("all", lora_sampler(lora, list(learner.shapes)), learner)
     assert monitor.checks == trl_fp8.sync_checks.CHECKS  # every check can be fed by this sampler
 
     def around(run, step):
@@ -289,7 +291,7 @@ def test_weight_sync_checks_observe_the_lora_push(engine, tiny_model_dir):
         assert monitor.compared["coverage"] == monitor.compared["freshness"] == 3
         # the differential oracle on a served version (at start-up nothing was pushed yet: the engine held the base)
         assert monitor.startup_oracle(2).passed
-        assert lora.version() == 2 and torch.equal(lora.sampler().read(dropped_name := next(iter(state["factors"]))),
+        assert lora.version() == 2 and torch.equal(lora_sampler(lora).read(dropped_name := next(iter(state["factors"]))),
                                                    state["factors"][dropped_name])
 
         # a push that drops one factor is refused before the served version is touched ...
@@ -400,7 +402,7 @@ def test_trl_trainer_syncs_adapters_and_never_merges(tmp_path, demo_dir, base):
     assert lora.resident_ids() == [2] and _trl.vllm_weight_version(llm) == "1"
     for name, param in engine.named_parameters():  # the base as loaded: nothing dense was ever pushed
         assert torch.equal(param, before[name]), name
-    sampler = lora.sampler()
+    sampler = lora_sampler(lora)
     for name, sent in lora.last_sent.items():
         assert torch.equal(sampler.read(name), sent), name
     assert any(bool(t.any()) for n, t in lora.last_sent.items() if ".lora_B." in n)  # the update reached the engine

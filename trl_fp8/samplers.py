@@ -385,3 +385,105 @@ class VLLMServerSampler(Sampler):
     def reset_cache(self):
         self.client.reset_prefix_cache()
         return None  # the endpoint does not report success
+
+
+def lora_sampler(lora, learner_names=None) -> "VLLMLoraSampler":
+    """A :class:`trl_fp8._trl.VLLMLoraStream`'s engine as the weight-sync checks read it (``learner_names``: the
+    stream's names; default: the last push's, else the stream's now)."""
+    if learner_names is None:
+        learner_names = lora.current.names if lora.current is not None else [n for n, _ in lora.stream()]
+    return VLLMLoraSampler(lora, learner_names)
+
+
+class VLLMLoraSampler(Sampler):
+    """A colocated engine serving LoRA versions, read in the learner's (PEFT's) names: each factor is the slice of
+    its LoRA layer's stacked buffer (``lora_a_stacked`` / ``lora_b_stacked``, per packed sub-module) at the slot of
+    the current version — what the kernels compute with. ``load`` pushes a new version."""
+
+    kind = "vllm-colocate-lora"
+    has_prefix_cache = cache_observable = True
+
+    def __init__(self, lora, learner_names):
+        self.lora = lora
+        self.llm = lora.llm
+        manager = lora.manager
+        # tensor-parallel engines hold a shard of each factor: what they compute with is not the tensor sent
+        tp = lora.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+        self.readable = tp == 1 and not manager.lora_config.fully_sharded_loras
+        from ._trl.vllm_lora import _locate, peft_to_vllm_name
+
+        self._where = {n: _locate(manager, peft_to_vllm_name(n, lora.spec.adapter)) for n in learner_names}
+
+    def _slot(self) -> int:
+        current = self.lora.current
+        ids = self.lora.manager.lora_index_to_id
+        if current is None or current.lora_id not in ids:
+            raise RuntimeError("the engine holds no current LoRA version in its slots")
+        return ids.index(current.lora_id)
+
+    def _registered(self, module: str, index: int, is_a: bool):
+        current = self.lora.current
+        model = self.lora.manager.get_adapter(current.lora_id) if current is not None else None
+        weights = model.get_lora(module) if model is not None else None
+        if weights is None:
+            return None
+        tensor = weights.lora_a if is_a else weights.lora_b
+        return tensor[index] if isinstance(tensor, list) else tensor
+
+    def manifest(self):
+        out = {}
+        for name, where in self._where.items():
+            if where is None:
+                continue
+            tensor = self._registered(*where)
+            if tensor is not None:
+                out[name] = (tuple(tensor.shape), self.lora.dtype)
+        return out
+
+    def targets(self, names):
+        targets: dict[str, list[str]] = {}
+        for name, where in self._where.items():
+            if where is not None:
+                module, index, is_a = where
+                targets.setdefault(f"{module}[{index}].{'lora_A' if is_a else 'lora_B'}", []).append(name)
+        return targets
+
+    def read(self, name):
+        where = self._where.get(name)
+        if where is None:
+            raise KeyError(f"the vLLM engine has no LoRA layer for '{name}'")
+        module, index, is_a = where
+        registered = self._registered(module, index, is_a)
+        if registered is None:
+            raise KeyError(f"the current LoRA version holds nothing for '{name}'")
+        layer, slot = self.lora.manager.modules[module], self._slot()
+        if is_a:
+            rank, cols = registered.shape
+            return layer.lora_a_stacked[index][slot, 0, :rank, :cols]
+        rows, rank = registered.shape
+        return layer.lora_b_stacked[index][slot, 0, :rows, :rank]
+
+    def load(self, named):
+        """Push ``named`` as a new version under the current label (nothing to load: nothing pushed, e.g. the
+        checks' start-up oracle before the first sync, when the engine serves the bare base)."""
+        named = list(named)
+        if named:
+            self.lora.push(named, self.lora.version())
+
+    def version(self):
+        return self.lora.version()
+
+    def set_version(self, step):
+        self.lora.set_version(int(step))
+
+    def sequence_logprobs(self, prompts, completions, temperature=1.0):
+        return self.lora.sequence_logprobs(prompts, completions, temperature)
+
+    def reset_cache(self):
+        return bool(self.llm.reset_prefix_cache())
+
+    def cached_blocks(self):
+        return _trl.vllm_cached_blocks(self.llm)
+
+    def recipe(self):
+        return {name: numerics.dense(dtype) for name, (_, dtype) in self.manifest().items()}

@@ -75,9 +75,9 @@ from .vllm_engine import (  # noqa: F401
     shutdown_trainer_vllm,
 )
 
-# vllm_lora imports trl_fp8.samplers (which imports this package): re-exported on first use.
+# vllm_lora (the vLLM LoRA glue) is imported on first use: it needs vLLM internals only when used.
 _LAZY = {name: ".vllm_lora" for name in (
-    "LoraEngineSpec", "VLLMLoraStream", "VLLMLoraSampler", "lora_engine", "lora_spec", "lora_manager", "engine_rank",
+    "LoraEngineSpec", "VLLMLoraStream", "lora_engine", "lora_spec", "lora_manager", "engine_rank",
     "fourbit_base_stream",
 )}
 
