@@ -98,14 +98,15 @@ def test_duet_refuses_a_rollout_func(tmp_path, tiny_model_dir, monkeypatch):
         _trainer(tmp_path, tiny_model_dir, duet=True, trainer_kwargs={"rollout_func": lambda prompts, trainer: {}})
 
 
-def test_fair_cast_refuses_a_lora_model_with_a_bf16_base(tmp_path, tiny_model_dir):
+def test_merged_fair_cast_refuses_a_lora_model_with_a_bf16_base(tmp_path, tiny_model_dir):
     from peft import LoraConfig
 
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
     with pytest.raises(TypeError, match=re.escape(
             "Fair Cast needs an fp32 or bitsandbytes 4-bit base weight in LoRA layer "
             "'model.layers.0.self_attn.q_proj.weight', got torch.bfloat16")):
-        _trainer(tmp_path, _load(tiny_model_dir, torch.bfloat16), peft_config=lora, fair_cast="rtn")
+        _trainer(tmp_path, _load(tiny_model_dir, torch.bfloat16), peft_config=lora, fair_cast="rtn",
+                 lora_serving="merged")
 
 
 def test_fair_cast_refuses_a_merged_lora_model(tmp_path, tiny_model_dir):
@@ -116,7 +117,7 @@ def test_fair_cast_refuses_a_merged_lora_model(tmp_path, tiny_model_dir):
     model.merge_adapter()
     with pytest.raises(ValueError, match=re.escape(
             "LoRA layer 'model.layers.0.self_attn.q_proj.weight' is merged; Fair Cast needs unmerged adapters.")):
-        _trainer(tmp_path, model, fair_cast="rtn")
+        _trainer(tmp_path, model, fair_cast="rtn", lora_serving="merged")
 
 
 def test_fair_cast_refuses_learner_and_served_names_that_do_not_match(tmp_path, tiny_model_dir):
@@ -129,7 +130,7 @@ def test_fair_cast_refuses_learner_and_served_names_that_do_not_match(tmp_path, 
     with pytest.raises(ValueError, match=re.escape(
             "Fair Cast could not match the learner's parameters to the served model's: only in the learner "
             "['model.embed_tokens.token_adapter.trainable_tokens_delta.default'")) as info:
-        _trainer(tmp_path, tiny_model_dir, peft_config=lora, fair_cast="rtn")
+        _trainer(tmp_path, tiny_model_dir, peft_config=lora, fair_cast="rtn", lora_serving="merged")
     assert "only served ['model.embed_tokens.weight']" in str(info.value)
 
 

@@ -284,7 +284,7 @@ SCENARIOS = {
     "duet_keyed": dict(fair_cast="stochastic", duet=True, duet_budget=0.5, generation_kwargs={"do_sample": False},
                        beta=0.1),
     "mxfp8": dict(fair_cast="stochastic", mxfp8=True, max_steps=2),
-    "qlora": dict(fast_qlora="on", fair_cast="stochastic", max_steps=2, learning_rate=1e-3),
+    "qlora": dict(fast_qlora="on", fair_cast="stochastic", lora_serving="merged", max_steps=2, learning_rate=1e-3),
     "fault": dict(fair_cast="stochastic", max_steps=3),
     "replica_fault": dict(fair_cast="stochastic", max_steps=3, sync_checks="default"),
     # SIGTERM to rank 0 only, in the middle of step 3's generation: both ranks stop at the next boundary
