@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trl_fp8.plan.activations import Shape, saved_bytes
-from trl_fp8.plan.measure import saved_tensor_bytes
+from trl_fp8.plan.held import saved_tensor_bytes
 from trl_fp8.plan.models import PROJECTIONS, arch_from_config
 
 TINY = dict(model_type="qwen2", vocab_size=1000, hidden_size=128, intermediate_size=384, num_hidden_layers=2,

@@ -8,24 +8,24 @@ allocate, per parameter of what, for a model config, the run's settings and a de
 Arithmetic only at import: no torch, no TRL (the capability list is read when a plan is made).
 """
 
+from ..memory import GENERATION, PERSISTENT, TRAINING, Row
 from .activations import Shape, saved_bytes
 from .devices import DEVICES, Device, resolve_device
 from .models import MODELS, Arch, resolve_model
 from .plan import FREE_TIER, Plan, make_spec, memory_plan, plan_for, run_args, sampler_of
-from ..memory import GENERATION, PERSISTENT, TRAINING, Row
 from .spec import LoraSpec, PlanSpec, QuantSpec, Rollout
 
 
 def measure(trainer, **kwargs):
-    """The bytes the live trainer holds, by category (see :mod:`trl_fp8.plan.measure`)."""
-    from .measure import measure as _measure
+    """The bytes the live trainer holds, by category (see :mod:`trl_fp8.plan.held`)."""
+    from .held import measure as _measure
 
     return _measure(trainer, **kwargs)
 
 
 def saved_tensor_bytes(*args, **kwargs):
-    """See :func:`trl_fp8.plan.measure.saved_tensor_bytes`."""
-    from .measure import saved_tensor_bytes as _saved
+    """See :func:`trl_fp8.plan.held.saved_tensor_bytes`."""
+    from .held import saved_tensor_bytes as _saved
 
     return _saved(*args, **kwargs)
 

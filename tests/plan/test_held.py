@@ -10,7 +10,7 @@ import trl_fp8
 from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 from trl_fp8.capability import Capability
 from trl_fp8.plan import measure, memory_plan
-from trl_fp8.plan.measure import model_tensors
+from trl_fp8.plan.held import model_tensors
 
 
 class _MeasureAtStep(TrainerCallback):
@@ -94,6 +94,13 @@ def test_full_fine_tuning_rows_equal_the_trainer_s_tensors(tmp_path, tiny_model_
     assert measured["duet/state"] == predicted["duet/state"] == 0
     # everything the trainer holds is in a planned category
     assert {k for k, v in measured.items() if v} <= set(predicted)
+
+
+def test_measure_stays_the_function_once_its_module_is_imported():
+    import trl_fp8.plan
+    import trl_fp8.plan.held  # noqa: F401  (a submodule named like the function would replace it on the package)
+
+    assert trl_fp8.plan.measure is measure and callable(trl_fp8.plan.measure)
 
 
 def test_plan_rows_by_hand_for_the_tiny_model(tiny_model_dir):
