@@ -314,18 +314,7 @@ class VLLMColocateSampler(Sampler):
 
     def sequence_logprobs(self, prompts, completions, temperature=1.0):
         """Through the engine's prompt logprobs (one forward per sequence; no sampling)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        requests = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in zip(prompts, completions, strict=True)]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature)
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        result = []
-        for prompt, completion, output in zip(prompts, completions, outputs, strict=True):
-            ids = list(prompt) + list(completion)
-            per_position = output.prompt_logprobs or []
-            result.append([per_position[i][ids[i]].logprob for i in range(len(prompt), len(ids))])
-        return result
+        return _trl.engine_sequence_logprobs(self.llm, prompts, completions, temperature)
 
     def version(self):
         return _trl.vllm_weight_version(self.llm)

@@ -50,6 +50,7 @@ from .trainer import (  # noqa: F401
     patch_fused_head,
 )
 from .vllm_engine import (  # noqa: F401
+    engine_sequence_logprobs,
     trl_vllm_stream,
     vllm_name,
     set_vllm_stream,

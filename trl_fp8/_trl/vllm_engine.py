@@ -324,3 +324,21 @@ def shutdown_trainer_vllm(trainer) -> bool:
     if generation is None or getattr(generation, "mode", None) != "colocate":
         return False
     return shutdown_vllm(getattr(generation, "llm", None))
+
+
+def engine_sequence_logprobs(llm, prompts, completions, temperature=1.0, lora_request=None) -> list[list[float]]:
+    """log μ of each completion token given its prompt, through a vLLM engine's prompt logprobs (one forward per
+    sequence, no sampling; ``lora_request``: the LoRA version to compute with)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in zip(prompts, completions, strict=True)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature)
+    kwargs = {} if lora_request is None else {"lora_request": lora_request}
+    outputs = llm.generate(requests, params, use_tqdm=False, **kwargs)
+    result = []
+    for prompt, completion, output in zip(prompts, completions, outputs, strict=True):
+        ids = list(prompt) + list(completion)
+        per_position = output.prompt_logprobs or []
+        result.append([per_position[i][ids[i]].logprob for i in range(len(prompt), len(ids))])
+    return result

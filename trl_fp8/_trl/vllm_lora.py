@@ -64,6 +64,7 @@ import torch
 from .. import numerics
 from .vllm_engine import (
     _rewriting_llm,
+    engine_sequence_logprobs,
     set_vllm_stream,
     set_vllm_weight_version,
     vllm_cached_blocks,
@@ -484,15 +485,4 @@ class VLLMLoraStream:
     def sequence_logprobs(self, prompts, completions, temperature: float = 1.0) -> list[list[float]]:
         """log μ of each completion token given its prompt, computed by the engine with the current LoRA version
         (prompt logprobs: one forward per sequence, no sampling)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        requests = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in zip(prompts, completions, strict=True)]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature)
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request())
-        result = []
-        for prompt, completion, output in zip(prompts, completions, outputs, strict=True):
-            ids = list(prompt) + list(completion)
-            per_position = output.prompt_logprobs or []
-            result.append([per_position[i][ids[i]].logprob for i in range(len(prompt), len(ids))])
-        return result
+        return engine_sequence_logprobs(self.llm, prompts, completions, temperature, self.lora_request())

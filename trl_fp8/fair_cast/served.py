@@ -204,7 +204,8 @@ class ServedCopy:
         self._subset = {}
         for n, numel in sizes.items():
             k = max(1, min(numel, math.ceil(budget * numel / total)))
-            self._subset[n] = torch.randperm(numel, generator=gen)[:k].to(self.units[n].device)
+            # clone: a slice would keep the whole int64 permutation (8 B per element) alive on CPU
+            self._subset[n] = torch.randperm(numel, generator=gen)[:k].clone().to(self.units[n].device)
         self._ema = None
         self._ema_steps = 0
         self._prev_master = self._prev_served = None
