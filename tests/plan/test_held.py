@@ -8,9 +8,7 @@ from transformers import TrainerCallback
 
 import trl_fp8
 from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
-from trl_fp8.capability import Capability
 from trl_fp8.plan import measure, memory_plan
-from trl_fp8.plan.held import model_tensors
 
 
 class _MeasureAtStep(TrainerCallback):
@@ -20,36 +18,6 @@ class _MeasureAtStep(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.measured is None:
             self.measured = measure(self.trainer)
-            self.fair_cast = _fair_cast_tensors(self.trainer)
-
-
-def _fair_cast_tensors(trainer):
-    """Fair Cast's own tensors read off the component, for as long as ``FairCast.held_tensors`` is not implemented
-    (it lands with the Fair Cast component; then :func:`measure` reports them and this stand-in is not used), and the
-    weight-sync checks' tensors counted after them."""
-    from trl_fp8.memory import StorageCounter
-
-    cap = trainer.capability("fair_cast")
-    if cap is None or type(cap).held_tensors is not Capability.held_tensors:
-        return None
-    counter = StorageCounter()
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    counter.add("model", [t for ts in model_tensors(model).values() for t in ts])
-    served = cap.served
-    counter.add("fair_cast/master", [getattr(u, "stored", None) if hasattr(u, "stored") else u.master
-                                     for u in served.units.values()])
-    counter.add("fair_cast/served", served.served.values())
-    counter.add("fair_cast/residual", served.residual.values())
-    if cap.sampler is not None:
-        twin = cap.sampler.model
-        counter.add("fair_cast/twin", list(twin.parameters()) + list(twin.buffers()))
-    counter.add("fair_cast/metrics", list(served._subset.values()) + [served._prev_master, served._prev_served,
-                                                                       served._ema])
-    checks = trainer.capability("sync_checks")  # counted after Fair Cast, as measure() counts them
-    if checks is not None:
-        for category, tensors in checks.held_tensors().items():
-            counter.add(category, tensors)
-    return {k: v for k, v in counter.bytes.items() if k != "model" and (v or k.startswith("sync_checks/"))}
 
 
 def _train_one_step(tmp_path, model_dir, **overrides):
@@ -72,9 +40,7 @@ def test_full_fine_tuning_rows_equal_the_trainer_s_tensors(tmp_path, tiny_model_
     assert set(trainer.capabilities) >= {"duet"} | ({"fair_cast", "sync_checks"} if fair_cast != "off" else set())
     plan = memory_plan(tiny_model_dir, trainer.args, precision="fp32", device="t4")
     predicted = plan.by_category()
-    measured = dict(spy.measured)
-    if spy.fair_cast is not None:
-        measured.update(spy.fair_cast)
+    measured = dict(spy.measured)  # Fair Cast's tensors from FairCast.held_tensors, claimed first
     for category in ("base", "buffers", "gradients", "optimizer"):
         assert measured[category] == predicted[category], category
     if fair_cast == "off":
@@ -115,3 +81,34 @@ def test_plan_rows_by_hand_for_the_tiny_model(tiny_model_dir):
     # the metric sample: ceil(65,536 × n / 90,688) elements of each of the 27 tensors (at most all of a small one),
     # 65,545 in all: an int64 index and three fp32 samples (previous master, previous served, running update) each
     assert rows["fair_cast/metrics"] == 20 * 65_545
+
+
+@pytest.mark.parametrize("lora_serving,fair_cast", [("adapters", "stochastic"), ("adapters", "error_feedback"),
+                                                    ("merged", "rtn")])
+def test_lora_rows_equal_fair_cast_s_held_tensors(tmp_path, tiny_model_dir, lora_serving, fair_cast):
+    """LoRA over the fp32 tiny model: FairCast.held_tensors (what measure() reads) equals the plan's Fair Cast rows —
+    adapters: masters, served factors (+ residual) and the metric sample, no copy of the base; merged: the fp32 base
+    kept aside, the merged twin and its served buffers."""
+    from peft import LoraConfig
+
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    kwargs = dict(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=1, learning_rate=1e-3,
+                  per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1,
+                  save_strategy="no", report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=7,
+                  fair_cast=fair_cast, lora_serving=lora_serving)
+    spy = _MeasureAtStep()
+    trainer = trl_fp8.GRPOTrainer(model=tiny_model_dir, reward_funcs=[correctness_reward, format_reward],
+                                  args=trl_fp8.GRPOConfig(**kwargs), train_dataset=make_arithmetic_dataset(64, seed=5),
+                                  peft_config=peft)
+    trainer.add_callback(spy)
+    spy.trainer = trainer
+    trainer.train()
+    plan = memory_plan(tiny_model_dir, trainer.args, peft={"r": 4, "target_modules": "all"}, precision="fp32",
+                       device="t4", base_dtype="float32")
+    predicted = {k: v for k, v in plan.by_category().items() if k.startswith("fair_cast/")}
+    measured = {k: v for k, v in spy.measured.items() if k.startswith("fair_cast/") and v}
+    assert measured == predicted
+    if lora_serving == "adapters":
+        assert "fair_cast/twin" not in measured and "fair_cast/base_copy" not in measured
+    else:
+        assert measured["fair_cast/base_copy"] > 0 and measured["fair_cast/twin"] > 0

@@ -262,6 +262,35 @@ class FairCast(Capability):
         if observer is not None:
             observer.after_sync(step, log)
 
+    # -- memory --------------------------------------------------------------------------------------------------
+    def held_tensors(self) -> dict:
+        """Fair Cast's own tensors, by the categories of :mod:`trl_fp8.fair_cast.memory`: the fp32 masters
+        (``master``; an adapter factor's unscaled ``stored`` master; a merged LoRA layer's master is derived, not
+        held), the fp32 base a merged 16-bit LoRA layer keeps aside (``base_copy``), the served buffers
+        (``served``), the error-feedback residuals (``residual``), the in-process twin's parameters and buffers
+        (``twin``) and the fixed metric sample (``metrics``). Under DeepSpeed, DeepSpeed holds master and served
+        copy (its optimizer state); only a ZeRO-3 twin is Fair Cast's own."""
+        out = {"fair_cast/master": [], "fair_cast/base_copy": [], "fair_cast/served": [], "fair_cast/residual": [],
+               "fair_cast/twin": [], "fair_cast/metrics": []}
+        served = getattr(self, "served", None)
+        if served is not None:
+            for unit in served.units.values():
+                if hasattr(unit, "stored"):  # AdapterUnit: `master` is computed (scaled) from it
+                    out["fair_cast/master"].append(unit.stored)
+                elif hasattr(unit, "base_master"):  # LoraUnit (merged serving): W kept aside, W + ΔW derived
+                    if unit.base_master is not None:
+                        out["fair_cast/base_copy"].append(unit.base_master)
+                elif isinstance(unit, ParamUnit):
+                    out["fair_cast/master"].append(unit.master)
+            out["fair_cast/served"] = list(served.served.values())
+            out["fair_cast/residual"] = list(served.residual.values())
+            out["fair_cast/metrics"] = [t for t in (*served._subset.values(), served._prev_master,
+                                                    served._prev_served, served._ema) if t is not None]
+        if self.sampler is not None:
+            twin = self.sampler.model
+            out["fair_cast/twin"] = list(twin.parameters()) + list(twin.buffers())
+        return {k: v for k, v in out.items() if v}
+
     # -- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         if self.zero is not None:  # DeepSpeed checkpoints the master; SR/RTN need only the step to export again

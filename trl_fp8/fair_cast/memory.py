@@ -9,7 +9,8 @@ A pure function of the plan's :class:`~trl_fp8.plan.spec.PlanSpec` (no torch, no
   served dtype: 2 B/param, plus its buffers; none with vLLM, where the engine holds its own copy);
 - LoRA / QLoRA with ``lora_serving="adapters"``: per adapter parameter the fp32 master (4 B) and the served buffer
   (2 B), + the residual (4 B) with error feedback. No twin, no copy of the base;
-- LoRA with ``lora_serving="merged"``: per base parameter, over a 16-bit/fp32 base the fp32 base kept aside (4 B),
+- LoRA with ``lora_serving="merged"``: per base parameter of a LoRA layer, over a 16-bit/fp32 base the fp32 base kept
+  aside (4 B); per other parameter (embeddings, norms, the head) its fp32 master (4 B);
   the merged twin (2 B) and the served buffer (2 B) (+ 4 B residual); over a 4-bit base the dense twin (2 B) and the
   served buffer (2 B) (+ 4 B residual);
 - always: the fixed metric sample (``METRIC_ELEMENTS`` elements of the trained tensors: int64 indices on the device and
@@ -73,8 +74,15 @@ def memory_rows(spec) -> list[Row]:
         trained = [t.numel for t in spec.adapter_tensors()]
     else:  # merged: W + ΔW served per layer, a dense twin beside the learner
         n = spec.base_params
+        lora_layers = sum(t.numel for t in spec.base_tensors()
+                          if t.kind == "linear" and t.projection in spec.lora.targets)
+        rest = n - lora_layers  # embeddings, norms, biases, the head, untargeted linears: a ParamUnit master each
         if spec.quant is None:
-            row("Fair Cast fp32 base kept aside (merged serving)", FP32 * n, per(FP32, "base params", n), "base_copy")
+            row("Fair Cast fp32 base kept aside (merged serving)", FP32 * lora_layers,
+                per(FP32, "LoRA-layer base params", lora_layers), "base_copy")
+        if rest:
+            row("Fair Cast fp32 masters of the other tensors (merged serving)", FP32 * rest,
+                per(FP32, "non-LoRA params", rest), "master")
         if not spec.use_vllm:
             row("Fair Cast merged twin (sampler)", sb * n + spec.arch.buffer_bytes(), per(sb, "base params", n),
                 "twin")
