@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<6} {text}")
         return 0
     if argv[0] in ("-V", "--version"):
-        from .. import __version__
+        from .._version import __version__
 
         print(f"trl-fp8 {__version__}")
         return 0
