@@ -11,7 +11,7 @@ import os
 import shutil
 import sys
 
-from .layout import FORMAT, MARKER, TMP_PREFIX, step_of
+from .layout import FORMAT, MARKER, OWNER, TMP_PREFIX, step_of
 
 logger = logging.getLogger("trl_fp8.checkpoints")
 
@@ -93,7 +93,8 @@ def write_json(path: str, obj) -> None:
 def commit(tmp: str, final: str) -> None:
     """Make ``tmp`` the complete checkpoint ``final``: fsync every file and folder, write the marker last, rename."""
     sync_tree(tmp)
-    write_json(os.path.join(tmp, MARKER), {"format": FORMAT, "global_step": step_of(final), "files": listing(tmp)})
+    files = listing(tmp, leave_out=(MARKER, OWNER))  # the owner file is removed once the folder is in place
+    write_json(os.path.join(tmp, MARKER), {"format": FORMAT, "global_step": step_of(final), "files": files})
     fsync_dir(tmp)
     run_dir = os.path.dirname(final)
     aside = None
@@ -104,6 +105,8 @@ def commit(tmp: str, final: str) -> None:
         os.rename(final, aside)
     os.rename(tmp, final)
     fsync_dir(run_dir)
+    if os.path.lexists(os.path.join(final, OWNER)):
+        os.remove(os.path.join(final, OWNER))
     if aside is not None:
         remove_tree(aside, f"the replaced copy of {os.path.basename(final)}")
         fsync_dir(run_dir)

@@ -9,6 +9,7 @@ MARKER = "trl_fp8_complete.json"  # written last: the folder is complete
 SETTINGS = "trl_fp8_settings.json"  # the trl_fp8 settings a resume must match
 GENERATION_STATE = "grpo_generation_state.pt"  # TRL's generation buffer between two generations (per process)
 TRAINER_STATE = "trainer_state.json"
+OWNER = "trl_fp8_owner.json"  # in a staging folder while a process writes it (see trl_fp8.checkpoints.staging)
 # Transient folders (being written, replaced or deleted): same filesystem as the checkpoints, for atomic renames; the
 # leading underscore keeps them out of transformers' background Hub upload of output_dir (it ignores "_*").
 TMP_PREFIX = "_tmp-"

@@ -11,7 +11,7 @@ from .complete import Verdict, check_complete, checkpoints_in
 from .layout import SETTINGS, TRAINER_STATE
 from .load import load_states
 from .settings import check_settings, missing_state_files
-from .staging import clean_stale
+from .staging import clean_stale, storage_shared_with_main
 
 logger = logging.getLogger("trl_fp8.checkpoints")
 
@@ -43,7 +43,8 @@ def prepare_resume(trainer, resume_from_checkpoint, trial=None):
     if resume_from_checkpoint is None and getattr(args, "resume_from_checkpoint", None) == "auto":
         resume_from_checkpoint = "auto"
     run_dir = _trl.run_dir(trainer, trial)
-    if args.should_save:
+    shared = storage_shared_with_main(trainer, run_dir)  # collectives: every process takes part
+    if args.should_save and not shared:  # once per storage: savers sharing the main's leave it the clean-up
         for line in clean_stale(run_dir):
             logger.warning("%s: %s", run_dir, line)
     trainer.accelerator.wait_for_everyone()

@@ -3,6 +3,7 @@ a run a capability stopped inside a step."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -13,9 +14,9 @@ from .. import _trl
 from .._version import __version__
 from .complete import check_complete
 from .durable import commit, fsync_dir, remove_checkpoint, remove_tree, sync_tree, write_json
-from .layout import FORMAT, SETTINGS, TMP_PREFIX, generation_state_file
+from .layout import FORMAT, OWNER, SETTINGS, TMP_PREFIX, generation_state_file
 from .settings import settings_of
-from .staging import storage_shared_with_main
+from .staging import claim, staleness, storage_shared_with_main
 
 logger = logging.getLogger("trl_fp8.checkpoints")
 
@@ -30,12 +31,29 @@ def save_checkpoint(trainer, trial) -> str:
     name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
     final = os.path.join(run_dir, name)
     tmp = os.path.join(run_dir, TMP_PREFIX + name)
-    committer = args.should_save and not storage_shared_with_main(trainer, run_dir)
+    shared = storage_shared_with_main(trainer, run_dir)  # collectives: every process takes part, saver or not
+    committer = args.should_save and not shared
+    heartbeat = None
     if committer:
         os.makedirs(run_dir, exist_ok=True)
         if os.path.lexists(tmp):
             shutil.rmtree(tmp)
         os.makedirs(tmp)
+        heartbeat = claim(tmp)  # a job starting meanwhile (a replacement pod) leaves this folder alone
+    try:
+        with main_process_saves(args, shared):
+            _stage(trainer, trial, args, run_dir, tmp, final, committer)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+    if args.push_to_hub:
+        _trl.push_checkpoint(trainer, final)
+    if committer:
+        rotate(run_dir, args.save_total_limit, trainer.state.best_model_checkpoint, final)
+    return final
+
+
+def _stage(trainer, trial, args, run_dir: str, tmp: str, final: str, committer: bool) -> None:
     trainer.accelerator.wait_for_everyone()
     _trl.write_checkpoint_files(trainer, tmp, run_dir, trial)
     buffer = _trl.generation_buffer(trainer)
@@ -56,11 +74,23 @@ def save_checkpoint(trainer, trial) -> str:
     if committer:
         commit(tmp, final)
     trainer.accelerator.wait_for_everyone()
-    if args.push_to_hub:
-        _trl.push_checkpoint(trainer, final)
-    if committer:
-        rotate(run_dir, args.save_total_limit, trainer.state.best_model_checkpoint, final)
-    return final
+
+
+@contextlib.contextmanager
+def main_process_saves(args, shared: bool):
+    """With ``save_on_each_node=True`` on storage this process shares with the main process (``shared``): it is no
+    saver for the duration — ``args.should_save`` is the main process's alone, as without ``save_on_each_node`` — so
+    it writes only its per-process files (RNG state, generation buffer) into the main's staging folder, not a second
+    copy of the model, optimizer and trainer state over the main's."""
+    if not shared:
+        yield
+        return
+    before = args.save_on_each_node
+    args.save_on_each_node = False
+    try:
+        yield
+    finally:
+        args.save_on_each_node = before
 
 
 def save_final_model(trainer, output_dir: str) -> None:
@@ -71,14 +101,36 @@ def save_final_model(trainer, output_dir: str) -> None:
     milliseconds."""
     args = trainer.args
     tmp = os.path.join(output_dir, TMP_PREFIX + "final-model")
-    if args.should_save:
+    shared = storage_shared_with_main(trainer, output_dir)  # collectives: every process takes part
+    saver = args.should_save and not shared
+    heartbeat = None
+    if saver:
         os.makedirs(output_dir, exist_ok=True)
         if os.path.lexists(tmp):
-            remove_tree(tmp, "left by an interrupted final save")
+            why = staleness(tmp)
+            if why is None:
+                raise RuntimeError(f"{tmp} is being written by another process (its {os.path.basename(tmp)}/"
+                                   "trl_fp8_owner.json names it): two runs are saving a final model into "
+                                   f"{output_dir} at once. Give each run its own output_dir.")
+            remove_tree(tmp, f"left by an interrupted final save: {why}")
+        os.makedirs(tmp)
+        heartbeat = claim(tmp)
+    try:
+        with main_process_saves(args, shared):
+            _write_final_model(trainer, output_dir, tmp)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _write_final_model(trainer, output_dir: str, tmp: str) -> None:
+    args = trainer.args
     trainer.accelerator.wait_for_everyone()
     trainer.save_model(tmp)
     trainer.accelerator.wait_for_everyone()
     if args.should_save:
+        if os.path.lexists(os.path.join(tmp, OWNER)):
+            os.remove(os.path.join(tmp, OWNER))  # not part of the model
         sync_tree(tmp)
         names = sorted(os.listdir(tmp), key=lambda n: (n == "config.json" or n.endswith(".index.json"), n))
         for name in names:
