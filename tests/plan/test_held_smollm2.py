@@ -7,7 +7,8 @@ install command):
    ``bf16=True``. Set-up only (no step: gradients and optimizer state are the same with Fair Cast on or off).
 2. The plan's persistent rows equal the live trainer's tensors category by category, after one optimizer step, for
    full fine-tuning, LoRA (r = 16, all linear) and QLoRA (NF4 with double quantization on CPU, r = 16, all linear)
-   with Fair Cast RTN / SR / EF, the default weight-sync checks and DUET.
+   with Fair Cast RTN / SR / EF, the default weight-sync checks and DUET; and QLoRA with fast QLoRA on (its kept dense
+   layers are a budget the plan bounds, not a count).
 
 Each test builds one trainer (two to three for the must-show) and trains at most one step of 2 rollouts × 2 tokens.
 """
@@ -58,9 +59,10 @@ def _trainer(tmp_path, name, peft_config=None, quantized=False, **overrides):
     if quantized:
         from transformers import BitsAndBytesConfig
 
-        kwargs["model_init_kwargs"] = {"dtype": torch.float32, "quantization_config": BitsAndBytesConfig(
+        compute = torch.bfloat16 if quantized == "bf16" else torch.float32
+        kwargs["model_init_kwargs"] = {"dtype": compute, "quantization_config": BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32)}
+            bnb_4bit_compute_dtype=compute)}
     kwargs.update(overrides)
     return trl_fp8.GRPOTrainer(model=models.SMOLLM2, reward_funcs=_length, args=trl_fp8.GRPOConfig(**kwargs),
                                train_dataset=_dataset(), peft_config=peft_config)
@@ -120,26 +122,30 @@ class _MeasureAtStep(TrainerCallback):
             self.measured = measure(self.trainer)
 
 
-KINDS = {"full": dict(), "lora": dict(peft=True), "qlora": dict(peft=True, quantized=True)}
+KINDS = {"full": dict(), "lora": dict(peft=True), "qlora": dict(peft=True, quantized=True),
+         # loaded in bf16, as on a GPU: fast QLoRA's dense copies are in the dtype the 4-bit weights were quantized from
+         "qlora_fast": dict(peft=True, quantized="bf16", fast_qlora="on")}
+CASES = [(kind, rule) for kind in ("full", "lora", "qlora") for rule in ("rtn", "stochastic", "error_feedback")]
 
 
-@pytest.mark.parametrize("rule", ["rtn", "stochastic", "error_feedback"])
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind, rule", CASES + [("qlora_fast", "stochastic")])
 def test_plan_rows_equal_the_live_smollm2_trainer_by_category(tmp_path, kind, rule):
     k = KINDS[kind]
+    extra = {"fast_qlora": k["fast_qlora"]} if "fast_qlora" in k else {}
     trainer = _trainer(tmp_path, f"{kind}-{rule}", peft_config=_lora() if k.get("peft") else None,
-                       quantized=k.get("quantized", False), fair_cast=rule, duet=True, bf16=True)
+                       quantized=k.get("quantized", False), fair_cast=rule, duet=True, bf16=True, **extra)
     assert {"fair_cast", "duet"} <= set(trainer.capabilities)
     # the default checks: with a twin (full fine-tuning) they check its sync; a LoRA policy generating with its own
     # served factors has no sync to check
-    assert ("sync_checks" in trainer.capabilities) == (kind == "full")
+    assert ("sync_checks" in trainer.capabilities) == (kind in ("full", "qlora_fast"))
     spy = _MeasureAtStep()
     spy.trainer = trainer
     trainer.add_callback(spy)  # after the capabilities' callbacks: Fair Cast has exported this step's copy
     trainer.train()
     measured = dict(spy.measured)
     plan = memory_plan("smollm2-135m", trainer.args, peft=_lora() if k.get("peft") else None,
-                       quantization="nf4" if k.get("quantized") else None, base_dtype="float32", precision="bf16",
+                       quantization="nf4" if k.get("quantized") else None,
+                       base_dtype="bfloat16" if k.get("quantized") == "bf16" else "float32", precision="bf16",
                        device="a100-40")  # a card with bf16, as the run's bf16=True
     predicted = plan.by_category()
     estimated = {r.category for r in plan.rows if r.category is not None and not r.exact}
