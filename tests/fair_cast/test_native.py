@@ -662,3 +662,39 @@ def test_vector_extensions_lists_the_simd_flags_of_cpuinfo(monkeypatch):
                                            "sse4_1", "sse4_2", "ssse3"]
     monkeypatch.setattr(_native, "_cpuinfo_identity", lambda: ["features: fp asimd sve crc32"])
     assert _native.vector_extensions() == ["asimd", "sve"]
+
+
+# ---------------------------------------------------------------------------------------------- without /proc
+
+
+def test_without_proc_the_library_is_loaded_by_name_only_if_it_still_is_the_checked_file(cache, fake_toolchain,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(_native, "_same_file", lambda path, fd: False)  # as on an OS without /proc/self/fd
+    kind, loaded_from, loaded_bytes = _load_quietly()
+    lib_path = fake_toolchain["built"][0]
+    assert loaded_from == lib_path and loaded_bytes == b"not really a library"  # by its name in the held folder
+    real_open_checked = _native._open_checked
+
+    def swap_after_check(folder, name):
+        fd, reason = real_open_checked(folder, name)
+        if name == lib_path.name:
+            evil = cache / "evil.tmp"
+            evil.write_bytes(b"evil library")
+            evil.chmod(0o700)
+            os.replace(evil, lib_path)
+        return fd, reason
+
+    monkeypatch.setattr(_native, "_open_checked", swap_after_check)
+    _native.load.cache_clear()
+    with pytest.warns(UserWarning) as record:
+        result = _native.load()
+    messages = [str(w.message) for w in record]
+    assert "was replaced after it was checked" in messages[0] and "rebuilding them once" in messages[0], messages
+    assert "freshly built" in messages[1] and result is None  # the rebuilt one was swapped too: given up, not loaded
+
+
+def test_a_tensor_off_the_cpu_is_refused_before_the_call():
+    lib = _RecordingLib()
+    with pytest.raises(ValueError, match="src must be on the CPU, got device meta"):
+        _native.sr_bf16(lib, torch.empty(4, device="meta"), None, 1, 1)
+    assert lib.calls == []
