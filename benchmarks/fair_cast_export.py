@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import os
 import platform
@@ -182,6 +183,7 @@ def main() -> None:
               f"(min {min(values):.2f}, max {max(values):.2f})")
     record = {"device": dev, "numel": args.numel, "rounds": args.rounds, "threads": torch.get_num_threads(),
               "cpu": cpu_name, "vector_extensions": extensions, "isa": isa, "dispatched": dispatched, "clock": args.clock,
+              "kernel_source_sha256": hashlib.sha256(_native.C_SOURCE.encode()).hexdigest()[:16],
               "copy_seconds": copies, "ratios": ratios, "backends": dict(counter.counts),
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.jsonl:
