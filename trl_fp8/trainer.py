@@ -121,9 +121,12 @@ class GRPOTrainer(_TRLGRPOTrainer):
             raise StopNow()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        checkpoints.mark_step_boundary(self)  # at a step's first micro-batch: the state a stop inside it saves
         self._stop_point()
-        return super().training_step(model, inputs, num_items_in_batch)
+        out = super().training_step(model, inputs, num_items_in_batch)
+        accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        if self._step % accumulation == 0:  # the last micro-batch of an optimizer step
+            self._step_boundary = (self._step, self._buffered_inputs)  # what a checkpoint after it holds
+        return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
