@@ -19,7 +19,7 @@ from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from . import _trl, checkpoints, composition, distributed, models, trackers
 from .registry import CAPABILITIES
-from .capability import Capability, Serving, StopNow
+from .capability import GENERATION_PATH_HONOURS, Capability, Serving, StopNow
 from .config import GRPOConfig
 from .metrics import MetricsJsonlCallback
 
@@ -96,8 +96,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         with contextlib.ExitStack() as stack:
             for c in caps:
                 stack.enter_context(c.generating(self))
-            if path is not None:  # 2. e.g. DUET's planned rollouts replace the path
-                out = path(prompt_ids, images, multimodal_fields, num_generations, model)
+            if path is not None:  # 2. e.g. DUET's planned rollouts replace the path (honouring stopping criteria)
+                honour = {hook: [x for c in caps for x in getattr(c, hook)(self)] for hook in GENERATION_PATH_HONOURS}
+                out = path(prompt_ids, images, multimodal_fields, num_generations, model, **honour)
                 self._stop_point()
                 return out
             processors = [p for c in caps for p in c.logits_processors(self)]  # 3. extra processors and
@@ -135,7 +136,11 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         self._rewards_withheld = False
-        output = super()._generate_and_score_completions(inputs)
+        self._generation_inputs = inputs  # the batch's dataset rows, slot-aligned: a generation path may score them
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._generation_inputs = None
         if self._rewards_withheld:
             _trl.drop_reward_metrics_of_last_batch(self)
         for capability in self.capabilities.values():
