@@ -80,3 +80,17 @@ def test_complete_records_give_the_pre_registered_target_and_the_ratios(tmp_path
     assert lines[-1] == f"duet_tokens_to_target_over_grpo8: {6 * 320 / (24 * 640):.3f}"
     assert any(line.startswith("duet n_q histogram (prompts): 0: 0.250, 2: 0.250, 6: 0.250, 8: 0.250")
                for line in lines)
+
+
+def test_a_grpo8_that_has_not_learnt_does_not_make_a_target_noise_reaches(tmp_path):
+    path = str(tmp_path / "race.jsonl")
+    n_evals = duet_race.STEPS // duet_race.EVAL_EVERY + 1
+    for seed in duet_race.SEEDS:
+        _write(path, "grpo8", seed, [0.2, 0.21, 0.2, 0.19, 0.2, 0.22, 0.26, 0.2, 0.2], 640.0)
+        _write(path, "duet", seed, [0.2, 0.22] + [0.2] * (n_evals - 2), 320.0)
+    lines = duet_race.report(path, plot=None)
+    assert lines[3].startswith(f"target: {0.2 + duet_race.MIN_GAIN:.4f} (GRPO-8 at step 24 0.2000")
+    assert next(line for line in lines if line.startswith("| grpo8 | 0 |")).split(" | ")[3] == "23,040"  # step 36
+    assert next(line for line in lines if line.startswith("| duet | 0 |")).split(" | ")[3] == ">= 15,360"
+    assert lines[-1] == "duet_tokens_to_target_over_grpo8: n/a (seed 0: >= 0.67 (DUET did not reach it); seed 1: " \
+                        ">= 0.67 (DUET did not reach it); seed 2: >= 0.67 (DUET did not reach it))"
