@@ -146,7 +146,7 @@ def prepare_grpo_launch(argv: list[str]) -> tuple[list[str], list[str]]:
     return launch_args, script_args
 
 
-class forward_sigterm:
+class SigtermForwarding:
     """While ``trl-fp8 grpo`` waits for the training process(es) it launched: a SIGTERM to the launcher is passed on to
     its child processes (accelerate's one-process launcher does not: under Kubernetes, which signals a container's
     first process only, the trainer never heard of it and was killed without a checkpoint). A second SIGTERM to the
@@ -216,15 +216,15 @@ def cmd_grpo(argv: list[str]) -> int:
     launcher.error = _raise_usage_error
     accelerate_args = launcher.parse_args(launch_args + ["--module", GRPO_MODULE] + script_args)
     try:
-        with forward_sigterm():
+        with SigtermForwarding():
             launch_command(accelerate_args)
     except subprocess.CalledProcessError as err:  # one process (accelerate's simple launcher)
         status = _status(err.returncode)
-    except Exception as err:  # several processes: torchrun's agent reports its workers' failures
+    except Exception as err:  # several processes: torchrun's agent reports its workers' exit (e.g. 75 after a budget)
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
         if not isinstance(err, ChildFailedError):
-            raise
+            raise  # e.g. torchrun's agent itself got a SIGTERM: it stopped its workers and says so
         status = _status(err.get_first_failure()[1].exitcode)
     else:
         return 0
