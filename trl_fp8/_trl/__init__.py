@@ -48,6 +48,7 @@ from .trainer import (  # noqa: F401
     generating_with,
     repatch_fused_head,
     patch_fused_head,
+    peft_config_argument,
 )
 from .vllm_engine import (  # noqa: F401
     engine_sequence_logprobs,
@@ -79,7 +80,7 @@ from .vllm_engine import (  # noqa: F401
 # vllm_lora (the vLLM LoRA glue) is imported on first use: it needs vLLM internals only when used.
 _LAZY = {name: ".vllm_lora" for name in (
     "LoraEngineSpec", "VLLMLoraStream", "lora_engine", "lora_spec", "lora_manager", "engine_rank",
-    "fourbit_base_stream",
+    "fourbit_base_stream", "SERVER_REFUSAL", "SLEEP_REFUSAL",
 )}
 
 
