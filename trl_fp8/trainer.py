@@ -2,10 +2,11 @@
 
 The trainer is the composer only: it holds the ordered list of the capabilities a run asks for
 (:data:`trl_fp8.registry.CAPABILITIES`) and calls their hooks (:class:`trl_fp8.capability.Capability`) at
-fixed points of TRL's step. Where capabilities must compose, the order is written here, once: Fair Cast's twin is
-the model generation runs with (synced, with the checks observing the sync), DUET replaces the in-process
-generation path (with vLLM: the engine call of TRL's path, after TRL's own sync), the checks record the sampler's
-logprobs on the way. Every TRL-private name it touches goes through :mod:`trl_fp8._trl`. With every trl_fp8 field
+fixed points of TRL's step. Who generates and what the sampler is sent is one declared offer
+(:class:`~trl_fp8.capability.SamplerOffer`), resolved once after set-up and installed here; every sync of it (the
+in-process twin's, here; TRL's vLLM sync, wrapped once) is observed by every capability (the weight-sync checks).
+A capability may replace the in-process generation path or the vLLM engine call (DUET), and record the sampler's
+logprobs on the way (the checks). Every TRL-private name it touches goes through :mod:`trl_fp8._trl`. With every trl_fp8 field
 of :class:`trl_fp8.GRPOConfig` at its default the list is empty and training is TRL's, step for step
 (``tests/test_trainer.py`` proves it bit for bit on CPU).
 """
