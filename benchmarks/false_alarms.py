@@ -20,7 +20,10 @@ largest per-step ratio ``logp_gap_mean / logp_gap_numerics``; ``--jsonl`` writes
 record for calibration.
 
     python benchmarks/false_alarms.py [--runs 95] [--max-steps 40] [--precisions fp32,bf16,fp16] [--vllm]
-                                      [--include-demo] [--mxfp8] [--seed 0]
+                                      [--include-demo] [--mxfp8] [--seed 0] [--jsonl FILE [--resume]]
+
+``--resume`` keeps the runs already recorded in ``--jsonl`` (matched by index and spec) and runs the rest, so a long
+run survives a killed session.
 
 Prints one row per run, then a summary per check and per learning rate. Last line: ``false_alarms: K/N``.
 """
@@ -202,6 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vllm", action="store_true", help="sample with a vLLM-CPU engine (colocate)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the plan (which runs are drawn)")
     parser.add_argument("--jsonl", default=None, help="write every run's spec, outcome and per-step gap metrics")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --jsonl: keep the runs already in the file (same plan), run the rest, append")
     args = parser.parse_args(argv)
 
     import transformers
@@ -220,14 +225,37 @@ def main(argv=None) -> int:
             parser.error(f"--precisions: {err}")
     plan = make_plan(args.runs, args.max_steps, args.seed, args.include_demo, args.demo_runs, args.demo_steps,
                      args.mxfp8, precisions)
+    if args.resume and not args.jsonl:
+        parser.error("--resume needs --jsonl (the file of the runs done so far)")
+    done = {}
+    if args.resume and os.path.isfile(args.jsonl):
+        with open(args.jsonl, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut by a kill: that run is redone
+                    continue
+                index = record.get("index")
+                if isinstance(index, int) and index < len(plan) and record.get("spec") == plan[index]:
+                    done[index] = record
+        print(f"resuming: {len(done)} of {len(plan)} runs already in {args.jsonl}", flush=True)
     root = tempfile.mkdtemp(prefix="false-alarms-")
-    sink = open(args.jsonl, "w") if args.jsonl else None
+    sink = open(args.jsonl, "a" if args.resume else "w") if args.jsonl else None
+    if sink and args.resume and sink.tell() > 0:
+        with open(args.jsonl, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":  # the last line was cut by a kill: end it, so the next record starts afresh
+                sink.write("\n")
     header = (f"{'#':>3} {'model':<12} {'prec':<10} {'lr':>7} {'loss':<8} {'B/G':>5} {'len':>3} {'steps':>7} "
               f"{'gap_mean':>8} {'numerics':>8} {'limit':>8} {'ratio':>6} outcome")
     print(header, flush=True)
     results = []
     try:
         for i, spec in enumerate(plan):
+            if i in done:
+                res = {k: v for k, v in done[i].items() if k not in ("index", "spec")}
+                results.append((spec, res))
+                continue
             try:
                 res = run_one(spec, root, args.vllm)
             except Exception as exc:  # the trainer could not even be built: reported, not a false alarm

@@ -11,6 +11,7 @@ import torch
 
 import trl_fp8
 from trl_fp8 import checkpoints as ck
+from trl_fp8.checkpoints import durable
 from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset
 
 
@@ -113,7 +114,7 @@ def test_rotation_counts_complete_checkpoints_and_never_removes_the_newest(tmp_p
 def test_remove_checkpoint_renames_aside_first(tmp_path, monkeypatch):
     final = _marked(tmp_path, 4)
     seen = []
-    monkeypatch.setattr(ck.shutil, "rmtree", lambda path, **kw: seen.append(os.path.basename(path)))
+    monkeypatch.setattr(durable.shutil, "rmtree", lambda path, **kw: seen.append(os.path.basename(path)))
     ck.remove_checkpoint(final)
     assert seen == ["_tmp-deleting-checkpoint-4"] and not os.path.exists(final)
 
@@ -317,11 +318,11 @@ def test_a_folder_fsync_that_fails_is_raised_one_the_filesystem_cannot_do_is_ski
     def fsync(fd, code):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(ck.os, "fsync", lambda fd: fsync(fd, errno.EIO))
+    monkeypatch.setattr(durable.os, "fsync", lambda fd: fsync(fd, errno.EIO))
     with pytest.raises(OSError, match=f"fsync of the folder {tmp_path} failed .*may not be on disk"):
-        ck._fsync_dir(str(tmp_path))
-    monkeypatch.setattr(ck.os, "fsync", lambda fd: fsync(fd, errno.EINVAL))
-    ck._fsync_dir(str(tmp_path))  # a filesystem without folder fsync: as before, nothing to do
+        durable.fsync_dir(str(tmp_path))
+    monkeypatch.setattr(durable.os, "fsync", lambda fd: fsync(fd, errno.EINVAL))
+    durable.fsync_dir(str(tmp_path))  # a filesystem without folder fsync: as before, nothing to do
 
 
 def test_a_rotation_delete_that_fails_says_so(tmp_path, monkeypatch, caplog):
@@ -335,7 +336,7 @@ def test_a_rotation_delete_that_fails_says_so(tmp_path, monkeypatch, caplog):
         else:
             onerror(os.unlink, os.path.join(path, "model.safetensors"), (PermissionError, err, None))
 
-    monkeypatch.setattr(ck.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(durable.shutil, "rmtree", rmtree)
     with caplog.at_level(logging.WARNING, logger="trl_fp8.checkpoints"):
         removed = ck.rotate(str(tmp_path), 1, None, os.path.join(tmp_path, "checkpoint-3"))
     assert len(removed) == 2

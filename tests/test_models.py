@@ -147,3 +147,50 @@ def test_smollm2_loads_generates_and_trains_two_grpo_steps_in_bf16_with_fair_cas
     assert checks.failures == [] and checks.compared["logprob_agreement"] == 2 and checks.compared["freshness"] == 2
     last = [r for r in trainer.state.log_history if "sync/logp_gap_mean" in r][-1]
     assert 0 < last["sync/logp_gap_mean"] < 0.5 and last["sync/logp_gap_numerics"] > 0
+
+
+_RACE = r"""
+import os, sys, time
+from pathlib import Path
+from trl_fp8 import models
+
+root = Path(sys.argv[1])
+models.smollm2_gguf = lambda: root / models.SMOLLM2_GGUF
+models.importlib.metadata.version = lambda name: "0.1.2"
+
+def convert(gguf, folder, source, grid=None):  # waits (at most 5 s) for the other process to start converting too
+    (root / "converting" / str(os.getpid())).touch()
+    deadline = time.monotonic() + 5
+    while len(os.listdir(root / "converting")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with open(root / "conversions.log", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / models.MARKER).write_text("{}")
+
+models.convert_gguf = convert
+(root / "started" / str(os.getpid())).touch()
+deadline = time.monotonic() + 120
+while len(os.listdir(root / "started")) < 2 and time.monotonic() < deadline:  # both ask at the same moment
+    time.sleep(0.02)
+print(models.smollm2_folder())
+"""
+
+
+def test_two_processes_asking_for_smollm2_at_once_convert_it_once(tmp_path):
+    """Two ranks of a fresh 2-process run (the 2xT4 recipe) ask for trl-fp8:smollm2 at the same moment: one converts,
+    the other waits for it and loads the result. Before, both converted, and the second removed and replaced the
+    folder the first was already loading."""
+    import subprocess
+    import sys
+
+    for name in ("started", "converting"):
+        (tmp_path / name).mkdir()
+    env = {**os.environ, "TRL_FP8_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    folders = {out.strip() for out, _ in outs}
+    assert len(folders) == 1 and os.path.isfile(os.path.join(folders.pop(), models.MARKER))
+    assert len((tmp_path / "conversions.log").read_text().split()) == 1  # converted once

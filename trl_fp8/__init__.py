@@ -10,8 +10,7 @@ known third-party import notices before torch is imported).
 
 Layout: the library (the trainer, its config, each capability's package, checkpoints, metrics) at the top; the app
 built on it (the ``trl-fp8`` CLI, the demo, the tasks, the TRL-style script, the report plots) under
-:mod:`trl_fp8.app`. Modules renamed in 0.2 keep their old import path for now, with a ``FutureWarning``
-(:mod:`trl_fp8._moved`).
+:mod:`trl_fp8.app`. The version is :mod:`trl_fp8._version`'s (modules inside the package import it from there).
 """
 
 from __future__ import annotations
@@ -20,10 +19,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
-from ._moved import install as _install_moved
-
-__version__ = "0.1.0"
-_install_moved()
+from ._version import __version__
 
 _EXPORTS = {
     "GRPOConfig": ".config",

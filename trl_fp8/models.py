@@ -5,7 +5,8 @@
 :func:`resolve_model` turns such a name into a folder ``from_pretrained`` (TRL, vLLM) loads; any other string (a
 Hub id, a local folder) is returned as it is. ``trl_fp8.GRPOTrainer`` and ``trl-fp8 grpo`` call it, so the names
 work wherever a model id is accepted. SmolLM2 is converted once into a cached folder (``TRL_FP8_CACHE``, default
-``~/.cache/trl_fp8``), written under a temporary name and renamed when complete; the weights are saved in float32
+``~/.cache/trl_fp8``), written under a temporary name and renamed when complete — by one process at a time (a file
+lock beside the folder), so the ranks of a fresh multi-process run convert it once; the weights are saved in float32
 and the dtype is chosen at load (``model_init_kwargs={"dtype": ...}``).
 
 The GGUF file carries Q4_1's quantization error: a real pretrained instruct model with real weight statistics, not
@@ -18,6 +19,7 @@ better than it is on the real release. The conversion therefore rounds every val
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -100,9 +102,35 @@ def smollm2_folder() -> Path:
     folder = cache_root() / "models" / f"SmolLM2-135M-Instruct-Q4_1-{version}-c{SMOLLM2_CONVERSION}"
     if (folder / MARKER).is_file():
         return folder
-    convert_gguf(gguf, folder, {"name": SMOLLM2, "wheel": f"{SMOLLM2_WHEEL}=={version}", "gguf": SMOLLM2_GGUF,
-                                "conversion": SMOLLM2_CONVERSION}, grid=SMOLLM2_GRID)
+    with conversion_lock(folder):  # every rank of a fresh multi-process run asks at once: one converts
+        if (folder / MARKER).is_file():  # converted by another process while this one waited
+            return folder
+        convert_gguf(gguf, folder, {"name": SMOLLM2, "wheel": f"{SMOLLM2_WHEEL}=={version}", "gguf": SMOLLM2_GGUF,
+                                    "conversion": SMOLLM2_CONVERSION}, grid=SMOLLM2_GRID)
     return folder
+
+
+@contextlib.contextmanager
+def conversion_lock(folder: Path):
+    """Hold an exclusive lock on ``<folder>.lock`` (beside it) while converting into ``folder``: the processes of a
+    run (torchrun's ranks, every process on this host; NFS clients where the server supports ``flock``) convert one
+    after the other, and each after the first finds the folder complete. Without ``fcntl`` (Windows) no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process converting into %s", folder)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def _fsync_tree(root: Path) -> None:

@@ -158,15 +158,15 @@ def install_kill(trainer: GRPOTrainer, point: str) -> None:
         elif where == "rng":
             after("_save_rng_state")
         elif where == "marker":
-            commit = checkpoints.commit
+            commit = checkpoints.save.commit  # looked up in trl_fp8.checkpoints.save when a checkpoint is saved
 
             def before_marker(tmp, final):
                 if os.path.basename(tmp) == tmp_name:
-                    checkpoints._sync_tree(tmp)  # every file written and synced, no marker
+                    checkpoints.durable.sync_tree(tmp)  # every file written and synced, no marker
                     _die()
                 return commit(tmp, final)
 
-            checkpoints.commit = before_marker
+            checkpoints.save.commit = before_marker
         elif where == "rename":
             rename = os.rename
 
@@ -177,7 +177,7 @@ def install_kill(trainer: GRPOTrainer, point: str) -> None:
 
             os.rename = before_rename
         elif where == "rotate":
-            rmtree = checkpoints.shutil.rmtree
+            rmtree = checkpoints.durable.shutil.rmtree
 
             def in_rotation(path, *args, **kwargs):
                 if os.path.basename(str(path)).startswith(f"{checkpoints.TMP_PREFIX}deleting-") and \
@@ -185,7 +185,7 @@ def install_kill(trainer: GRPOTrainer, point: str) -> None:
                     _die()
                 return rmtree(path, *args, **kwargs)
 
-            checkpoints.shutil.rmtree = in_rotation
+            checkpoints.durable.shutil.rmtree = in_rotation
         else:
             raise ValueError(f"unknown save kill point {where!r}")
     else:

@@ -59,17 +59,19 @@ def fake_toolchain(monkeypatch):
     without a C compiler. ``env`` holds the compiler identity and CPU features the cache key sees."""
     env = {"compiler": "fakecc 1.0", "cpu": "x86_64 flags: sse2 avx2", "built": []}
 
-    def build(cc, lib_path):
-        env["built"].append(lib_path)
+    def build(cc, folder, name, flags):
+        lib_path = folder.anchor / name  # through the held folder, as the real build writes
+        env["built"].append(Path(os.path.realpath(lib_path)))
         lib_path.write_bytes(b"not really a library")
         os.chmod(lib_path, 0o700)
 
     monkeypatch.setattr(_native, "_compiler", lambda: "/fake/bin/cc")
     monkeypatch.setattr(_native, "_compiler_identity", lambda cc: env["compiler"])
-    monkeypatch.setattr(_native, "_cpu_features", lambda cc: env["cpu"])
+    monkeypatch.setattr(_native, "_cpu_features", lambda cc, isa="native": env["cpu"])
     monkeypatch.setattr(_native, "_toolchain_stamp", lambda cc: f"{env['compiler']}|{env['cpu']}")
     monkeypatch.setattr(_native, "_build", build)
-    monkeypatch.setattr(_native, "_open", lambda path: ("lib", path))
+    # "loads" the file it is handed: records the file's name (the /proc/self/fd link resolved) and its bytes
+    monkeypatch.setattr(_native, "_open", lambda path: ("lib", Path(os.path.realpath(path)), Path(path).read_bytes()))
     return env
 
 
@@ -134,8 +136,8 @@ def test_build_writes_a_temporary_in_the_same_folder_then_replaces(cache, monkey
     moves = []
     real_replace = os.replace
 
-    def spy(src, dst):
-        moves.append((Path(src), Path(dst), Path(src).read_bytes()[:4]))
+    def spy(src, dst):  # the build reaches the folder through its descriptor (/proc/<pid>/fd/N): resolved here
+        moves.append((Path(os.path.realpath(src)), Path(os.path.realpath(dst)), Path(src).read_bytes()[:4]))
         real_replace(src, dst)
 
     monkeypatch.setattr(_native.os, "replace", spy)
@@ -257,7 +259,94 @@ def test_symlinked_library_is_refused(cache, fake_toolchain, tmp_path):
     lib_path.rename(elsewhere)
     lib_path.symlink_to(elsewhere)
     _native.load.cache_clear()
-    assert str(lib_path) in _load_refused("not a regular file")
+    assert str(lib_path) in _load_refused("is a symbolic link (not followed)")
+
+
+def test_symlinked_cache_folder_is_refused(cache, fake_toolchain, tmp_path):
+    # TRL_FP8_CACHE names a link to a private-looking folder elsewhere: the link is not followed
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    cache.parent.mkdir(parents=True)
+    cache.symlink_to(target)
+    message = _load_refused("is a symbolic link")
+    assert str(cache) in message and str(target) in message
+    assert fake_toolchain["built"] == [] and list(target.iterdir()) == []  # nothing built or written through it
+
+
+def test_fifo_in_place_of_the_library_is_refused_without_blocking(cache, fake_toolchain):
+    assert _load_quietly() is not None
+    lib_path = fake_toolchain["built"][0]
+    lib_path.unlink()
+    os.mkfifo(lib_path, 0o600)  # opening a FIFO for reading would wait for a writer: opened non-blocking
+    _native.load.cache_clear()
+    assert str(lib_path) in _load_refused("is not a regular file")
+
+
+def test_the_library_loaded_is_the_file_checked_not_what_the_name_holds_later(cache, fake_toolchain, monkeypatch):
+    assert _load_quietly() is not None
+    lib_path = fake_toolchain["built"][0]
+    good = lib_path.read_bytes()
+    real_open_checked = _native._open_checked
+    seen = []
+
+    def swap_after_check(folder, name):
+        fd, reason = real_open_checked(folder, name)
+        if name != lib_path.name:  # the compiler probe
+            return fd, reason
+        seen.append(os.fstat(fd))
+        evil = cache / "evil.tmp"  # between the check and the load, the name is replaced (as a racing writer would)
+        evil.write_bytes(b"evil library")
+        evil.chmod(0o700)
+        os.replace(evil, lib_path)
+        return fd, reason
+
+    monkeypatch.setattr(_native, "_open_checked", swap_after_check)
+    _native.load.cache_clear()
+    kind, loaded_from, loaded_bytes = _load_quietly()
+    assert loaded_bytes == good and lib_path.read_bytes() == b"evil library"  # the checked file was loaded
+    assert len(seen) == 1 and stat.S_ISREG(seen[0].st_mode)
+
+
+def test_the_folder_replaced_after_the_check_is_not_the_one_used(cache, fake_toolchain, monkeypatch, tmp_path):
+    real_prepare = _native._prepare_dir
+    moved = tmp_path / "moved"
+    planted = tmp_path / "planted"
+
+    def swap_after_check(folder):
+        held, reason = real_prepare(folder)
+        os.rename(cache, moved)  # the checked folder is renamed away and a link to another folder put in its place
+        planted.mkdir(mode=0o700)
+        cache.symlink_to(planted)
+        return held, reason
+
+    monkeypatch.setattr(_native, "_prepare_dir", swap_after_check)
+    kind, loaded_from, _ = _load_quietly()
+    assert loaded_from.parent == moved and fake_toolchain["built"] == [loaded_from]  # built and loaded in the held one
+    assert list(planted.iterdir()) == []  # nothing reached through the planted link
+
+
+def test_the_real_library_loads_through_its_descriptor_despite_a_swap(cache, monkeypatch):
+    _need_cc()
+    assert _native.load() is not None  # built
+    lib_path, = [p for p in _libs(cache) if p.suffix == ".so"]
+    real_open_checked = _native._open_checked
+
+    def swap_after_check(folder, name):
+        fd, reason = real_open_checked(folder, name)
+        if name != lib_path.name:  # the compiler probe
+            return fd, reason
+        evil = cache / "evil.tmp"
+        evil.write_bytes(b"\x7fELF not a library")
+        evil.chmod(0o700)
+        os.replace(evil, lib_path)
+        return fd, reason
+
+    monkeypatch.setattr(_native, "_open_checked", swap_after_check)
+    _native.load.cache_clear()
+    lib = _load_quietly()  # no "do not load" warning: the checked file was dlopen'ed, not the garbage now named so
+    x = torch.randn(999)
+    key = R.derive_key(5, 6, 7)
+    assert torch.equal(_bits(_native.sr_bf16(lib, x, None, key, 1)), _bits(R._sr_bf16_bits_torch(x, key)))
 
 
 def test_library_owned_by_someone_else_is_refused(tmp_path, monkeypatch):
@@ -370,8 +459,10 @@ def test_good_arguments_reach_the_library_unchanged():
 def test_a_corrupt_cached_library_is_rebuilt_once_with_a_warning(cache):
     _need_cc()
     cc = _native._compiler()
-    assert _native._prepare_dir(cache) is None
-    lib_file = cache / f"fair_cast_{_native._cache_tag(_native._probed_key(cc, cache))}.so"
+    folder, reason = _native._prepare_dir(cache)
+    assert reason is None
+    lib_file = cache / f"fair_cast_{_native._cache_tag(_native._probed_key(cc, folder))}.so"
+    folder.close()
     # what a crash of an unsynced writer leaves: the right name, a cut file (never loaded by this process before:
     # overwriting a library a process has mapped would crash that process, not test this)
     lib_file.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(64))
@@ -483,3 +574,127 @@ def test_compiler_lookup_honours_cc(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     assert _native._compiler() == shutil.which(str(fake))
+
+
+# ---------------------------------------------------------------------------------------------- instruction sets
+
+
+def _has_avx2_build():
+    _need_cc()
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("skipped: the avx2 build is for x86-64")
+
+
+def _sr_cases():
+    """Inputs that walk every branch of the block kernel: blocks without specials (fast path only), one special in
+    the middle of a later block (that block redone), finite values whose sum overflows, a ragged last block."""
+    block = 4096
+    x = torch.randn(3 * block + 77) * 0.1
+    x[block + 1000: block + 1000 + len(SPECIALS)] = torch.tensor(SPECIALS)
+    x[2 * block + 5] = 3.3961e38  # finite, close enough to max that + r may overflow: saturates
+    x[-3:] = torch.tensor([float("nan"), 1e-39, -3.3961e38])
+    return x
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("offset", [0, 4095, 2**32 - 3000, 2**40 + 17])
+def test_every_isa_build_gives_the_pytorch_bits(cache, isa, offset):
+    if isa == "avx2":
+        _has_avx2_build()
+    _need_cc()
+    lib = _native.load(isa)
+    assert lib is not None
+    x = _sr_cases()
+    key = R.derive_key(9, 2, 4)
+    assert torch.equal(_bits(_native.sr_bf16(lib, x, None, key, 2, offset)),
+                       _bits(R._sr_bf16_bits_torch(x, key, offset)))
+    for lo, hi in ((0, 4096), (4096, 2 * 4096), (100, 9000)):  # shards starting anywhere draw the whole tensor's bits
+        part = _native.sr_bf16(lib, x[lo:hi].contiguous(), None, key, 1, offset + lo)
+        assert torch.equal(_bits(part), _bits(R._sr_bf16_bits_torch(x, key, offset)[lo:hi]))
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_every_isa_build_gives_the_pytorch_error_feedback(cache, isa):
+    if isa == "avx2":
+        _has_avx2_build()
+    _need_cc()
+    lib = _native.load(isa)
+    x = _sr_cases()
+    r1 = torch.randn_like(x) * 1e-3
+    r1[x.abs() > 1e38] = 3e37  # pushes the near-max values over: saturates
+    r2 = r1.clone()
+    for _ in range(3):  # the residual carries over exports
+        out = _native.ef_bf16(lib, x, r1, None, 2)
+        assert torch.equal(_bits(out), _bits(R._error_feedback_torch(x, r2, torch.bfloat16)))
+        assert torch.equal(r1, r2)
+    assert not torch.isfinite(r1).logical_not().any() and (r1[~torch.isfinite(x)] == 0).all()
+
+
+def test_the_avx2_build_is_its_own_library_without_avx512(cache):
+    _has_avx2_build()
+    native, avx2 = _native.load("native"), _native.load("avx2")
+    assert native is not None and avx2 is not None and native._handle != avx2._handle
+    libs = [p for p in _libs(cache) if p.suffix == ".so"]
+    assert len(libs) == 2
+    cc = _native._compiler()
+    assert "-mno-avx512f" in _native._cache_key(cc, "avx2")["flags"]
+    assert "__AVX512F__" not in _native._cpu_features(cc, "avx2") and "__AVX2__" in _native._cpu_features(cc, "avx2") \
+        or "avx2" not in _native.vector_extensions()
+
+
+def test_isa_comes_from_the_argument_or_the_environment_and_is_checked(monkeypatch):
+    monkeypatch.delenv(_native.ISA_ENV, raising=False)
+    assert _native.resolve_isa() == "native" and _native.resolve_isa("native") == "native"
+    monkeypatch.setenv(_native.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="TRL_FP8_NATIVE_ISA must be one of native, avx2; got 'sse9'"):
+        _native.resolve_isa()
+    with pytest.raises(ValueError, match="isa must be one of native, avx2; got 'avx512'"):
+        _native.load("avx512")
+    monkeypatch.setattr(_native.platform, "machine", lambda: "aarch64")
+    with pytest.raises(ValueError, match="x86-64 without AVX-512; this machine is aarch64"):
+        _native.resolve_isa("avx2")
+
+
+def test_vector_extensions_lists_the_simd_flags_of_cpuinfo(monkeypatch):
+    monkeypatch.setattr(_native, "_cpuinfo_identity", lambda: [
+        "flags: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2 avx512f avx512bw", "model name: X"])
+    assert _native.vector_extensions() == ["avx", "avx2", "avx512bw", "avx512f", "f16c", "fma", "sse", "sse2",
+                                           "sse4_1", "sse4_2", "ssse3"]
+    monkeypatch.setattr(_native, "_cpuinfo_identity", lambda: ["features: fp asimd sve crc32"])
+    assert _native.vector_extensions() == ["asimd", "sve"]
+
+
+# ---------------------------------------------------------------------------------------------- without /proc
+
+
+def test_without_proc_the_library_is_loaded_by_name_only_if_it_still_is_the_checked_file(cache, fake_toolchain,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(_native, "_same_file", lambda path, fd: False)  # as on an OS without /proc/self/fd
+    kind, loaded_from, loaded_bytes = _load_quietly()
+    lib_path = fake_toolchain["built"][0]
+    assert loaded_from == lib_path and loaded_bytes == b"not really a library"  # by its name in the held folder
+    real_open_checked = _native._open_checked
+
+    def swap_after_check(folder, name):
+        fd, reason = real_open_checked(folder, name)
+        if name == lib_path.name:
+            evil = cache / "evil.tmp"
+            evil.write_bytes(b"evil library")
+            evil.chmod(0o700)
+            os.replace(evil, lib_path)
+        return fd, reason
+
+    monkeypatch.setattr(_native, "_open_checked", swap_after_check)
+    _native.load.cache_clear()
+    with pytest.warns(UserWarning) as record:
+        result = _native.load()
+    messages = [str(w.message) for w in record]
+    assert "was replaced after it was checked" in messages[0] and "rebuilding them once" in messages[0], messages
+    assert "freshly built" in messages[1] and result is None  # the rebuilt one was swapped too: given up, not loaded
+
+
+def test_a_tensor_off_the_cpu_is_refused_before_the_call():
+    lib = _RecordingLib()
+    with pytest.raises(ValueError, match="src must be on the CPU, got device meta"):
+        _native.sr_bf16(lib, torch.empty(4, device="meta"), None, 1, 1)
+    assert lib.calls == []

@@ -314,3 +314,79 @@ def test_logprob_band_measures_the_reference_every_nth_evaluation_and_holds_it_b
     healthy = _calibrate(_band(reference_every=4))
     assert _eval(healthy, 0.03, None, 3).passed and healthy.reference_due()  # a held band too tight for this batch
     assert _eval(healthy, 0.03, 0.02, 4).passed and not healthy.reference_due()  # measured: within 2 x 0.02
+
+
+# -- the gross rule knows how many tokens it averaged ------------------------------------------------------------
+def _one_token_spike(n=16, spike=1.57, mean=0.1005, explained=0.001):
+    """The false alarm seen in TRL's ``test_train_multiple_reward_funcs_with_weights`` (lr 0.1, bf16 autocast): a
+    mean gap of 0.1005 over a handful of tokens, driven by one token's gap of 1.57 (the others 0.0025)."""
+    rest = (mean * n - spike) / (n - 1)
+    learner = torch.zeros(1, n)
+    sampler = learner - rest
+    sampler[0, 5] = -spike
+    return learner, sampler, learner - explained
+
+
+def test_standard_error_is_the_sample_std_over_root_n_and_infinite_for_one_token():
+    x = torch.tensor([0.3, 0.1, 2.0, 0.0, 0.7], dtype=torch.float64)
+    se = C.standard_error(x.mean().item(), (x * x).sum().item(), 5)
+    assert se == pytest.approx(x.std().item() / math.sqrt(5))
+    assert C.standard_error(0.5, 0.25 * 4, 4) == 0.0  # no spread
+    assert C.standard_error(1.57, 1.57 ** 2, 1) == math.inf
+
+
+def test_a_mean_over_few_tokens_driven_by_one_token_is_not_a_gross_failure():
+    learner, sampler, numerics = _one_token_spike()
+    band = C.LogprobBand()  # the defaults: while calibrating, ceiling max(log 1.05, 10 × floor 0.01) = 0.1
+    r = band.check(learner, sampler, torch.ones(1, 16), 3, numerics_logps=numerics)
+    assert r.metrics["logp_gap_mean"] == pytest.approx(0.1005, rel=1e-4) and r.metrics["logp_gap_max"] == \
+        pytest.approx(1.57, rel=1e-5)
+    # the old rule (mean > 0.1) failed here at once; its standard error is ~ the mean (one token carries it)
+    assert r.passed, r.message
+    assert band.over == 1 and band.path_evaluations == 0 and band.path_reference is None  # over: calibrates nothing
+    r = _eval(band, 0.004, 0.001, 4)
+    assert r.passed and band.over == 0 and band.path_evaluations == 1  # a healthy batch after it: back to normal
+
+
+def test_a_one_token_driven_gross_mean_that_persists_fails_after_three_evaluations():
+    band = C.LogprobBand()
+    learner, sampler, numerics = _one_token_spike()
+    for step in (0, 1):
+        assert band.check(learner, sampler, torch.ones(1, 16), step, numerics_logps=numerics).passed
+    r = band.check(learner, sampler, torch.ones(1, 16), 2, numerics_logps=numerics)
+    assert not r.passed
+    assert ("over the gross ceiling 0.1 = max(log 1.05, 10 × band 0.01) by less than 3 standard errors over 16 "
+            "tokens (standard error 0.09") in r.message, r.message
+    assert "over for 3 consecutive evaluations (fails after 3)" in r.message
+    # one token alone: no spread to judge; persistence decides
+    one = C.LogprobBand()
+    for step in (0, 1):
+        assert one.check(torch.zeros(1, 1), torch.full((1, 1), -5.0), torch.ones(1, 1), step).passed
+    r = one.check(torch.zeros(1, 1), torch.full((1, 1), -5.0), torch.ones(1, 1), 2)
+    assert not r.passed and "over 1 tokens (one token: no spread to judge)" in r.message
+
+
+@pytest.mark.parametrize("n", [4, 16, 200])
+def test_a_desync_that_moves_most_tokens_still_fails_at_once_over_few_tokens(n):
+    g = torch.Generator().manual_seed(n)
+    learner = torch.zeros(1, n)
+    gaps = 0.3 + 0.1 * torch.rand(1, n, generator=g)  # every token off by 0.3..0.4: a stale or corrupted sampler
+    r = C.LogprobBand().check(learner, learner - gaps, torch.ones(1, n), 7, numerics_logps=learner - 0.001)
+    assert not r.passed and "fails at once (by more than 3 standard errors over" in r.message, r.message
+    # heavy-tailed but broad: most tokens off, exponentially spread (mean 0.5), over 32 tokens
+    spread = -0.5 * torch.log(torch.rand(1, 32, generator=g))
+    r = C.LogprobBand().check(torch.zeros(1, 32), -spread, torch.ones(1, 32), 7)
+    assert not r.passed and "fails at once" in r.message, r.message
+
+
+def test_the_sums_of_squares_add_over_ranks():
+    g = torch.Generator().manual_seed(0)
+    learner, sampler = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    numerics, mask = torch.randn(4, 6, generator=g), torch.rand(4, 6, generator=g) > 0.3
+    whole = C.logprob_stats(learner, sampler, mask, numerics)
+    halves = [C.logprob_stats(learner[i:i + 2], sampler[i:i + 2], mask[i:i + 2], numerics[i:i + 2]) for i in (0, 2)]
+    for key in ("sq_sum", "judged_sq_sum"):
+        assert C.LOGPROB_STAT_OPS[key] == "sum"
+        assert halves[0][key] + halves[1][key] == pytest.approx(whole[key])
+    d = (learner - sampler).abs()[mask].double()
+    assert whole["sq_sum"] == pytest.approx((d * d).sum().item())

@@ -126,6 +126,21 @@ def test_a_second_sigterm_goes_to_the_previous_handler(recorder):
     assert recorder == [signal.SIGTERM] and not hook.installed
 
 
+def test_a_repeated_sigterm_forwarded_by_the_launcher_is_the_same_request(recorder, monkeypatch):
+    """Under `trl-fp8 grpo`, which forwards the SIGTERM it gets, one SIGTERM to the process group arrives twice: the
+    repeat does not terminate (a second SIGTERM to the launcher sends SIGKILL instead)."""
+    from trl_fp8.time_budget import SIGNALS_FORWARDED_ENV
+
+    monkeypatch.setenv(SIGNALS_FORWARDED_ENV, "1")
+    trainer = _Trainer()
+    hook = SigtermHook(trainer)
+    hook.install()
+    trainer.train(hook)
+    trainer.train(hook)
+    assert hook.requested and recorder == [] and hook.installed
+    hook.uninstall()
+
+
 def test_sigterm_outside_train_or_in_a_forked_child_goes_to_the_previous_handler(recorder):
     trainer = _Trainer()
     hook = SigtermHook(trainer)

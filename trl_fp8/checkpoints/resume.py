@@ -1,0 +1,105 @@
+"""Resume policy: which checkpoint ``resume_from_checkpoint`` (``"auto"``, ``True`` or a path) means, what is
+refused, and a finished run started again."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .. import _trl
+from .complete import Verdict, check_complete, checkpoints_in
+from .layout import SETTINGS, TRAINER_STATE
+from .load import load_states
+from .settings import check_settings, missing_state_files
+from .staging import clean_stale, storage_shared_with_main
+
+logger = logging.getLogger("trl_fp8.checkpoints")
+
+
+def newest_complete(trainer, run_dir: str) -> tuple[str | None, list[str]]:
+    """The newest complete checkpoint in ``run_dir`` this run can resume from, and a line for each newer one skipped.
+
+    A checkpoint without a completion marker and :data:`SETTINGS` that lacks a running capability's state file is
+    skipped too (trl_fp8 before atomic checkpoints wrote those after ``trainer_state.json``)."""
+    skipped = []
+    for _, path in checkpoints_in(run_dir):
+        verdict = check_complete(path)
+        if verdict.complete and not verdict.marked and not os.path.isfile(os.path.join(path, SETTINGS)):
+            missing = missing_state_files(trainer, path)
+            if missing:
+                verdict = Verdict(False, f"no {missing[0][1]} (incomplete, or written without {missing[0][0]})")
+        if verdict.complete:
+            return path, skipped
+        skipped.append(f"{os.path.basename(path)} ({verdict.reason})")
+    return None, skipped
+
+
+def prepare_resume(trainer, resume_from_checkpoint, trial=None):
+    """What ``Trainer.train`` should resume from: None (fresh) or a complete checkpoint's path.
+
+    Removes what interrupted saves left (see :func:`~trl_fp8.checkpoints.staging.clean_stale`) on the saving
+    process(es) first."""
+    args = trainer.args
+    if resume_from_checkpoint is None and getattr(args, "resume_from_checkpoint", None) == "auto":
+        resume_from_checkpoint = "auto"
+    run_dir = _trl.run_dir(trainer, trial)
+    shared = storage_shared_with_main(trainer, run_dir)  # collectives: every process takes part
+    if args.should_save and not shared:  # once per storage: savers sharing the main's leave it the clean-up
+        for line in clean_stale(run_dir):
+            logger.warning("%s: %s", run_dir, line)
+    trainer.accelerator.wait_for_everyone()
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
+        how = "True" if resume_from_checkpoint is True else "'auto'"
+        path, skipped = newest_complete(trainer, run_dir)
+        if path is None:
+            why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+            if resume_from_checkpoint is True:
+                raise ValueError(f"No valid checkpoint found in output directory ({run_dir}){why}")
+            (logger.warning if skipped else logger.info)(
+                "resume_from_checkpoint='auto': no complete checkpoint in %s%s; starting fresh.", run_dir, why)
+            return None
+        if skipped:
+            logger.warning("resume_from_checkpoint=%s: skipping %s; resuming from %s.", how, "; ".join(skipped),
+                           os.path.basename(path))
+        else:
+            logger.info("resume_from_checkpoint=%s: resuming from %s.", how, path)
+    else:
+        path = os.fspath(resume_from_checkpoint)
+        verdict = check_complete(path)
+        if not verdict.complete:
+            raise ValueError(
+                f"Cannot resume from {path}: it is not a complete checkpoint ({verdict.reason}). Use "
+                "resume_from_checkpoint='auto' to take the newest complete checkpoint of output_dir."
+            )
+    check_settings(trainer, path)
+    return path
+
+
+def finished_run(trainer, checkpoint: str | None):
+    """When ``checkpoint`` is already at ``max_steps`` (a finished run started again, e.g. "Run all" once more):
+    load it (weights, trainer state, capability states) and return a ``TrainOutput`` without training; else None.
+
+    transformers resumes such a checkpoint by training one step past ``max_steps`` (its loop checks the limit only
+    after a step) — each new session would add a step. With DeepSpeed or FSDP (whose weights load after
+    ``accelerator.prepare``) that is left to transformers, with a warning."""
+    args = trainer.args
+    if checkpoint is None or args.max_steps is None or args.max_steps <= 0:
+        return None
+    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE))
+    if state.global_step < args.max_steps:
+        return None
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        logger.warning("%s is at step %d of max_steps=%d: training is complete; with DeepSpeed/FSDP transformers "
+                       "trains one more step when resuming it.", checkpoint, state.global_step, args.max_steps)
+        return None
+    logger.warning("%s is at step %d of max_steps=%d: training is complete, nothing to train; the trainer holds its "
+                   "weights.", checkpoint, state.global_step, args.max_steps)
+    _trl.load_model_from_checkpoint(trainer, checkpoint)
+    trainer.state = state
+    load_states(trainer, checkpoint)
+    return TrainOutput(state.global_step, float("nan"), {})

@@ -1,0 +1,205 @@
+"""Saving: a checkpoint staged and committed atomically (push and rotation after), the final model, and the save of
+a run a capability stopped inside a step."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+
+import torch
+
+from .. import _trl
+from .._version import __version__
+from .complete import check_complete
+from .durable import commit, fsync_dir, remove_checkpoint, remove_tree, sync_tree, write_json
+from .layout import FORMAT, OWNER, SETTINGS, TMP_PREFIX, generation_state_file
+from .settings import settings_of
+from .staging import claim, staleness, storage_shared_with_main
+
+logger = logging.getLogger("trl_fp8.checkpoints")
+
+
+def save_checkpoint(trainer, trial) -> str:
+    """Write ``checkpoint-<global_step>`` atomically (see :mod:`trl_fp8.checkpoints`); push and rotate after. Every
+    process calls it. Returns the checkpoint's path."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    args = trainer.args
+    run_dir = _trl.run_dir(trainer, trial)
+    name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    final = os.path.join(run_dir, name)
+    tmp = os.path.join(run_dir, TMP_PREFIX + name)
+    shared = storage_shared_with_main(trainer, run_dir)  # collectives: every process takes part, saver or not
+    committer = args.should_save and not shared
+    heartbeat = None
+    if committer:
+        os.makedirs(run_dir, exist_ok=True)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+        heartbeat = claim(tmp)  # a job starting meanwhile (a replacement pod) leaves this folder alone
+    try:
+        with main_process_saves(args, shared):
+            _stage(trainer, trial, args, run_dir, tmp, final, committer)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+    if args.push_to_hub:
+        _trl.push_checkpoint(trainer, final)
+    if committer:
+        rotate(run_dir, args.save_total_limit, trainer.state.best_model_checkpoint, final)
+    return final
+
+
+def _stage(trainer, trial, args, run_dir: str, tmp: str, final: str, committer: bool) -> None:
+    trainer.accelerator.wait_for_everyone()
+    _trl.write_checkpoint_files(trainer, tmp, run_dir, trial)
+    buffer = _trl.generation_buffer(trainer)
+    if buffer is not None:  # every process holds its own
+        os.makedirs(tmp, exist_ok=True)
+        torch.save(buffer, os.path.join(tmp, generation_state_file(args)))
+    for capability in trainer.capabilities.values():  # per-process files (e.g. a rank's shard state), staged too
+        capability.save_process_files(trainer, tmp)
+    if committer:
+        for capability in trainer.capabilities.values():
+            state = capability.state_dict()
+            if state is not None and capability.state_file is not None:
+                torch.save(state, os.path.join(tmp, capability.state_file))
+        write_json(os.path.join(tmp, SETTINGS), {"format": FORMAT, "trl_fp8": __version__,
+                                                 "capabilities": sorted(trainer.capabilities),
+                                                 "world_size": args.world_size, "fields": settings_of(args)})
+    trainer.accelerator.wait_for_everyone()  # every process has written its files
+    if committer:
+        commit(tmp, final)
+    trainer.accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def main_process_saves(args, shared: bool):
+    """With ``save_on_each_node=True`` on storage this process shares with the main process (``shared``): it is no
+    saver for the duration — ``args.should_save`` is the main process's alone, as without ``save_on_each_node`` — so
+    it writes only its per-process files (RNG state, generation buffer) into the main's staging folder, not a second
+    copy of the model, optimizer and trainer state over the main's."""
+    if not shared:
+        yield
+        return
+    before = args.save_on_each_node
+    args.save_on_each_node = False
+    try:
+        yield
+    finally:
+        args.save_on_each_node = before
+
+
+def save_final_model(trainer, output_dir: str) -> None:
+    """``trainer.save_model(output_dir)``, never half-written: every process saves into
+    ``<output_dir>/_tmp-final-model`` (DeepSpeed/FSDP gather there as usual), every file is fsync'd, then each is
+    renamed into ``output_dir`` — the weights first, ``config.json`` and weight indexes last — and the folder is
+    fsync'd. A kill during the (long) write leaves the previous final model untouched; the renames take
+    milliseconds."""
+    args = trainer.args
+    tmp = os.path.join(output_dir, TMP_PREFIX + "final-model")
+    shared = storage_shared_with_main(trainer, output_dir)  # collectives: every process takes part
+    saver = args.should_save and not shared
+    heartbeat = None
+    if saver:
+        os.makedirs(output_dir, exist_ok=True)
+        if os.path.lexists(tmp):
+            why = staleness(tmp)
+            if why is None:
+                raise RuntimeError(f"{tmp} is being written by another process (its {os.path.basename(tmp)}/"
+                                   "trl_fp8_owner.json names it): two runs are saving a final model into "
+                                   f"{output_dir} at once. Give each run its own output_dir.")
+            remove_tree(tmp, f"left by an interrupted final save: {why}")
+        os.makedirs(tmp)
+        heartbeat = claim(tmp)
+    try:
+        with main_process_saves(args, shared):
+            _write_final_model(trainer, output_dir, tmp)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _write_final_model(trainer, output_dir: str, tmp: str) -> None:
+    args = trainer.args
+    trainer.accelerator.wait_for_everyone()
+    trainer.save_model(tmp)
+    trainer.accelerator.wait_for_everyone()
+    if args.should_save:
+        if os.path.lexists(os.path.join(tmp, OWNER)):
+            os.remove(os.path.join(tmp, OWNER))  # not part of the model
+        sync_tree(tmp)
+        names = sorted(os.listdir(tmp), key=lambda n: (n == "config.json" or n.endswith(".index.json"), n))
+        for name in names:
+            src, dst = os.path.join(tmp, name), os.path.join(output_dir, name)
+            if os.path.isdir(dst) and not os.path.islink(dst):  # a folder (e.g. FSDP's sharded state): swap whole
+                aside = os.path.join(output_dir, f"{TMP_PREFIX}replaced-{name}")
+                if os.path.lexists(aside):
+                    remove_tree(aside, "left by an interrupted final save")
+                os.rename(dst, aside)
+                os.rename(src, dst)
+                remove_tree(aside, f"the previous final {name}")
+            else:
+                os.replace(src, dst)
+        fsync_dir(output_dir)
+        remove_tree(tmp, "the emptied staging folder of the final save")
+    trainer.accelerator.wait_for_everyone()
+
+
+def save_stopped_run(trainer, trial):
+    """After :class:`~trl_fp8.capability.StopNow` cut an optimizer step short: the weights, optimizer and scheduler are
+    still those of the last complete step (its gradients were never applied), so that step's checkpoint is written
+    — with TRL's generation buffer as it was at that step's end — unless it exists already (saved at that step, or
+    the one resumed from). Then the callbacks' ``on_train_end`` runs (trackers flush) and ``train()`` returns."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
+
+    state, args = trainer.state, trainer.args
+    boundary = getattr(trainer, "_step_boundary", None)
+    if boundary is not None:
+        trainer._step, trainer._buffered_inputs = boundary
+    else:  # cut inside the first step of this session: no buffer from it (a resume generates afresh, as TRL does)
+        trainer._buffered_inputs = None
+    if trainer.optimizer is not None:
+        trainer.optimizer.zero_grad(set_to_none=True)  # the cut step's partial gradients
+    step = state.global_step
+    existing = os.path.join(_trl.run_dir(trainer, trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+    saved = None
+    if step > 0 and not check_complete(existing).complete:
+        saved = save_checkpoint(trainer, trial)
+    if state.is_world_process_zero:
+        logger.warning("trl_fp8: the step in flight (%d) was stopped at a micro-batch/generation boundary; %s. Resume "
+                       "with resume_from_checkpoint='auto'.", step + 1,
+                       f"saved {saved} (step {step})" if saved else
+                       (f"{existing} (step {step}) is already saved" if step > 0 else "no step had completed"))
+    trainer.control = trainer.callback_handler.on_train_end(args, state, trainer.control)
+    return TrainOutput(step, float("nan"), {"stopped_in_step": step + 1})
+
+
+def rotate(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None, newest: str) -> list[str]:
+    """transformers' rotation (oldest first by modification time, numeric order where mtimes are unreliable; the best
+    checkpoint kept), over *complete* checkpoints only, never removing ``newest``. Returns the removed paths."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return []
+    from pathlib import Path
+
+    from transformers.trainer_utils import sort_checkpoints
+
+    ordered = [c for c in sort_checkpoints(run_dir, use_mtime=True) if check_complete(c).complete]
+    if len(ordered) <= save_total_limit:
+        return []
+    protected = {str(Path(newest))}
+    if best_model_checkpoint is not None:
+        protected.add(str(Path(best_model_checkpoint)))
+    keep = max(save_total_limit, len(protected))
+    remaining, removed = len(ordered), []
+    for path in ordered:
+        if remaining <= keep:
+            break
+        if path not in protected:
+            remove_checkpoint(path)
+            removed.append(path)
+            remaining -= 1
+    return removed
