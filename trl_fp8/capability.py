@@ -136,6 +136,11 @@ def registered() -> tuple:
     return _REGISTERED
 
 
+# What a capability's generation_path (which replaces the in-process generation call) must still honour: the
+# keyword arguments the trainer passes it, each gathered from every capability's hook of that name.
+GENERATION_PATH_HONOURS = ("stopping_criteria",)
+
+
 class StopNow(Exception):
     """Raised by the trainer when a capability's :meth:`Capability.stop_now` asks to stop the step in flight."""
 
@@ -224,7 +229,14 @@ class Capability:
 
     def generation_path(self, trainer):
         """A function replacing the in-process generation call — ``(prompt_ids, images, multimodal_fields,
-        num_generations, model) -> (completion_ids, logprobs)`` — or None (TRL's path, with the hooks above)."""
+        num_generations, model, *, stopping_criteria) -> (completion_ids, logprobs)`` — or None (TRL's path, with the
+        hooks above).
+
+        What a replacing path must still honour (:data:`GENERATION_PATH_HONOURS`): ``stopping_criteria``, every
+        capability's :meth:`stopping_criteria` (e.g. the time budget's SIGTERM stop, which cuts the generation in
+        flight), to be passed to every ``generate`` call it makes. While it runs, the trainer's
+        ``_generation_inputs`` holds the batch's dataset rows (slot-aligned with ``prompt_ids``), e.g. to score a
+        screening group."""
         return None
 
     def vllm_generate(self, trainer):

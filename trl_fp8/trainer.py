@@ -21,7 +21,7 @@ from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from . import _trl, checkpoints, composition, distributed, models, trackers
 from .registry import CAPABILITIES
-from .capability import Capability, SamplerOffer, StopNow
+from .capability import GENERATION_PATH_HONOURS, Capability, SamplerOffer, StopNow
 from .config import GRPOConfig
 from .metrics import MetricsJsonlCallback
 from .samplers import SyncLog
@@ -163,8 +163,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         with contextlib.ExitStack() as stack:
             for c in caps:
                 stack.enter_context(c.generating(self))
-            if path is not None:  # 2. e.g. DUET's planned rollouts replace the path
-                out = path(prompt_ids, images, multimodal_fields, num_generations, model)
+            if path is not None:  # 2. e.g. DUET's planned rollouts replace the path (honouring stopping criteria)
+                honour = {hook: [x for c in caps for x in getattr(c, hook)(self)] for hook in GENERATION_PATH_HONOURS}
+                out = path(prompt_ids, images, multimodal_fields, num_generations, model, **honour)
                 self._stop_point()
                 return out
             processors = [p for c in caps for p in c.logits_processors(self)]  # 3. extra processors and
@@ -187,12 +188,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
             raise StopNow()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        checkpoints.mark_step_boundary(self)  # at a step's first micro-batch: the state a stop inside it saves
         self._stop_point()
-        out = super().training_step(model, inputs, num_items_in_batch)
-        accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
-        if self._step % accumulation == 0:  # the last micro-batch of an optimizer step
-            self._step_boundary = (self._step, self._buffered_inputs)  # what a checkpoint after it holds
-        return out
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -205,7 +203,11 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         self._rewards_withheld = False
-        output = super()._generate_and_score_completions(inputs)
+        self._generation_inputs = inputs  # the batch's dataset rows, slot-aligned: a generation path may score them
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._generation_inputs = None
         if self._rewards_withheld:
             _trl.drop_reward_metrics_of_last_batch(self)
         for capability in self.capabilities.values():

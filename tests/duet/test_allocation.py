@@ -18,7 +18,8 @@ def test_budget_respected_and_used():
     s = torch.rand(16) * 3
     L = torch.randint(20, 200, (16,)).double()
     for budget in (300.0, 1500.0, 3000.0, 8000.0):
-        n, lam, pi = allocate_rollouts(s, L, budget, n_min=2, n_max=16)
+        # (the forced group of an otherwise empty batch adds P0 · n_min · L to the expected cost: tested below)
+        n, lam, pi = allocate_rollouts(s, L, budget, n_min=2, n_max=16, at_least_one=False)
         expected = _expected_cost(s, L, lam, pi, 2, 16)
         assert expected <= budget + 1e-6
         assert set(n.tolist()) <= {0} | set(range(2, 17))
@@ -48,11 +49,12 @@ def test_bounds_and_ties_and_all_cold_uniform():
     L = torch.full((4,), 10.0)
     n, _, _ = allocate_rollouts(torch.ones(4), L, budget=10_000.0, n_min=2, n_max=8)
     assert n.tolist() == [8, 8, 8, 8]  # n_max caps
-    n, _, pi = allocate_rollouts(torch.ones(4), L, budget=1.0, n_min=2, n_max=8)
+    n, _, pi = allocate_rollouts(torch.ones(4), L, budget=1.0, n_min=2, n_max=8, at_least_one=False)
     assert pi.tolist() == [0.05] * 4  # an impossible budget: every prompt at the sampling floor
     n, _, _ = allocate_rollouts(torch.ones(6), torch.full((6,), 30.0), budget=6 * 4 * 30.0, n_min=2, n_max=8)
     assert n.tolist() == [4] * 6  # all-cold (prior 1, batch-mean length): uniform, the budget exactly
-    n, _, pi = allocate_rollouts(torch.zeros(3), torch.full((3,), 10.0), budget=1000.0, n_min=2, n_max=8)
+    n, _, pi = allocate_rollouts(torch.zeros(3), torch.full((3,), 10.0), budget=1000.0, n_min=2, n_max=8,
+                                 at_least_one=False)
     assert pi.tolist() == [0.05] * 3  # nothing to learn by the surrogate: sampled at the floor only
 
 
@@ -82,3 +84,68 @@ def test_propensities_and_weights():
                            keep_prob=0.05, min_propensity=0.05, max_weight=1000.0)
     assert w.tolist() == pytest.approx([2.0, 20.0, 1.0, 40.0])
     assert importance_weights(torch.tensor([0.001]), torch.tensor([True]), max_weight=100.0).item() == 100.0
+
+
+class _Draws:
+    """A random stream that hands out the given values in order."""
+
+    def __init__(self, values):
+        self.values = list(values)
+
+    def random(self):
+        return self.values.pop(0)
+
+
+def test_a_batch_always_gets_at_least_one_group_with_its_marginal_inclusion():
+    """Every coin fails (draws 0.99 > π): one prompt is picked by the extra draw, with probability π_q / Σ π, and the
+    returned inclusion is the marginal π'_q = π_q + P0 π_q / Σ π of the two-stage draw."""
+    s = torch.tensor([0.0, 0.0, 0.0])  # nothing known: every prompt sampled at the floor 0.05
+    L = torch.full((3,), 10.0)
+    n, _, pi = allocate_rollouts(s, L, 1000.0, n_min=2, n_max=8, rng=_Draws([0.99, 0.99, 0.99, 0.5]))
+    p0 = 0.95 ** 3
+    assert n.tolist() == [0, 2, 0]  # 0.5 falls in the second third
+    assert pi.tolist() == pytest.approx([0.05 + p0 / 3] * 3)
+    # a coin that succeeds: no extra draw, the same marginal inclusion
+    draws = _Draws([0.99, 0.01, 0.99])
+    n, _, pi2 = allocate_rollouts(s, L, 1000.0, n_min=2, n_max=8, rng=draws)
+    assert n.tolist() == [0, 2, 0] and draws.values == [] and torch.equal(pi, pi2)
+    # some prompt certain to get rollouts: nothing changes
+    n, _, pi = allocate_rollouts(torch.tensor([5.0, 0.0]), torch.full((2,), 10.0), 40.0, n_min=2, n_max=8,
+                                 rng=_Draws([0.99]))
+    assert n[0] >= 2 and pi[0] == 1.0 and pi[1] == 0.05
+
+
+def test_the_forced_group_keeps_horvitz_thompson_unbiased():
+    """Exact: over every outcome of the independent coins and the forced pick, P(q gets rollouts) equals the returned
+    π'_q, so E[1{q sampled} / π'_q] = 1 for every prompt (unequal π included)."""
+    import itertools
+
+    s = torch.tensor([0.02, 0.05, 0.09])
+    L = torch.full((3,), 10.0)
+    _, lam, pi_base = allocate_rollouts(s, L, 5.0, n_min=2, n_max=8, at_least_one=False)
+    _, _, pi = allocate_rollouts(s, L, 5.0, n_min=2, n_max=8)
+    base = pi_base.tolist()
+    assert all(x < 1 for x in base)
+    prob_in = [0.0] * 3
+    for coins in itertools.product([True, False], repeat=3):
+        p = 1.0
+        for c, b in zip(coins, base):
+            p *= b if c else 1 - b
+        if any(coins):
+            for q in range(3):
+                prob_in[q] += p * coins[q]
+        else:  # the forced pick, with probability π_q / Σ π
+            for q in range(3):
+                prob_in[q] += p * base[q] / sum(base)
+    assert prob_in == pytest.approx(pi.tolist(), rel=1e-12)
+    # and the sampler draws that way (frequencies from the seeded stream)
+    import random
+
+    rng = random.Random(0)
+    hits = torch.zeros(3)
+    trials = 1500
+    for _ in range(trials):
+        n, _, _ = allocate_rollouts(s, L, 5.0, n_min=2, n_max=8, rng=rng)
+        assert int(n.sum()) >= 2
+        hits += (n > 0).double()
+    assert (hits / trials).tolist() == pytest.approx(pi.tolist(), abs=0.04)  # sd of a frequency <= 0.013

@@ -155,7 +155,8 @@ def test_the_step_loop_keeps_what_the_in_process_criterion_keeps(tiny_model_dir,
 def _trainer(tmp_path, model_dir):
     args = trl_fp8.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1,
                               per_device_train_batch_size=12, num_generations=SLOTS, max_completion_length=16,
-                              duet=True, duet_budget=0.5, seed=11, gradient_checkpointing=False)
+                              duet=True, duet_budget=0.5, seed=11, gradient_checkpointing=False,
+                              duet_screen=0)  # one pass per sampler: the replay compares one plan
     trainer = trl_fp8.GRPOTrainer(model=model_dir, reward_funcs=[correctness_reward], args=args,
                                   train_dataset=make_arithmetic_dataset(16, seed=0))
     trainer.model.train()

@@ -34,7 +34,8 @@ def test_three_slots_half_budget_samples_groups_of_two():
     n, _, pi = allocate_rollouts(torch.ones(8), L, budget, n_min=2, n_max=3, rng=random.Random(1))
     assert torch.allclose(pi, torch.full((8,), 0.75, dtype=torch.float64))
     assert set(n.tolist()) <= {0, 2}
-    assert float((pi * 2 * L).sum()) == pytest.approx(budget)
+    # the expected cost is the budget, plus the forced group of a batch whose 8 coins all failed (P0 = 0.25^8)
+    assert float((pi * 2 * L).sum()) == pytest.approx(budget + 0.25 ** 8 * 2 * 40.0, rel=1e-12)
 
 
 def test_sampling_frequency_matches_inclusion_probability():
@@ -58,10 +59,15 @@ def test_expected_cost_fits_the_budget():
     s = torch.rand(20) * 2
     L = torch.randint(10, 150, (20,)).double()
     for budget in (200.0, 800.0, 2500.0):
-        n, lam, pi = allocate_rollouts(s, L, budget, n_min=2, n_max=8, rng=None)
+        n, lam, pi = allocate_rollouts(s, L, budget, n_min=2, n_max=8, rng=None, at_least_one=False)
         targets = s / torch.sqrt(lam * L)
         expected = torch.where(targets >= 2, torch.clamp(torch.round(targets), 2, 8), pi * 2)
         assert float((expected * L).sum()) <= budget + 1e-6
+        # with the forced group of an otherwise empty batch: at most P0 · n_min · max L more
+        _, _, forced = allocate_rollouts(s, L, budget, n_min=2, n_max=8, rng=None)
+        p0 = float(torch.prod(1 - pi))
+        extra = torch.where(targets >= 2, torch.zeros_like(pi), (forced - pi) * 2)
+        assert float((extra * L).sum()) <= p0 * 2 * float(L.max()) + 1e-9
 
 
 def test_inclusion_probabilities_floor():
@@ -129,7 +135,9 @@ def test_prior_strength_gives_a_once_silent_prompt_its_group_again():
             for key in ("a", "b"):
                 c.stats.update(key, 0.0, [20] * 4)
             plans[k].append(c.plan(["a", "b"]))
-    # unshrunk: each prompt is drawn with the propensity floor only (0.05), so almost every step plans nothing
-    assert sum(int(p.counts.sum()) == 0 for p in plans[0.0]) >= 40
+    # unshrunk: each prompt is drawn with the propensity floor only (0.05), so almost every step's coins all fail and
+    # it gets only the forced single group (never nothing: see allocation._at_least_one_group)
+    assert sum(int(p.counts.sum()) == 2 for p in plans[0.0]) >= 40
+    assert all(int(p.counts.sum()) > 0 for p in plans[0.0])
     # shrunk: both prompts are alike, each gets the group the budget buys (0.5 x 2 prompts x 8 = 8 rollouts)
     assert all(p.counts.tolist() == [4, 4] for p in plans[1.0])

@@ -123,6 +123,11 @@ def test_stopped_rows_generate_no_more_tokens(tiny_model_dir):
                                         "shrinkage\\), got -1.0."),
         ({"duet_prior_strength": float("inf")}, "duet_prior_strength must be a finite number >= 0"),
         ({"use_vllm": True, "vllm_mode": "server"}, "needs vllm_mode=.colocate."),
+        ({"duet_screen": 1}, "duet_screen=1 is not allowed: one rollout's reward cannot show"),
+        ({"duet_screen": -1}, "duet_screen must be an integer >= 0"),
+        ({"duet_screen_keep_prob": 0.0}, "duet_screen_keep_prob must be in \\(0, 1\\]"),
+        ({"duet_poll_every": 0}, "duet_poll_every must be an integer >= 1 or None"),
+        ({"duet_abort_min_tokens": -2}, "duet_abort_min_tokens must be an integer >= 0 or None"),
     ],
 )
 def test_config_validation(tmp_path, overrides, message):
@@ -178,3 +183,102 @@ def test_a_step_that_samples_nothing_logs_no_none_and_keeps_trl_reward_metrics(t
     trainer.train()
     last = [h for h in trainer.state.log_history if "loss" in h][-1]
     assert abs(last["reward"] - 0.7) < 1e-5
+
+
+def test_a_step_never_samples_nothing_and_trl_reward_metric_is_always_logged(tmp_path, demo_dir):
+    """TRL's test_reward_metric_reflects_reward_weights under DUET: constant rewards give every group zero variance,
+    so every prompt's informativeness is 0 and the allocator samples each at the propensity floor; a batch where every
+    coin fails still gets one group (weights from the marginal inclusion, unbiased), so every logged step has TRL's
+    `reward` (0.7 = 0.7 x 1 + 0.3 x 0)."""
+    trainer = trl_fp8.GRPOTrainer(
+        model=demo_dir, reward_funcs=[_one, _zero],
+        args=_args(tmp_path, max_steps=8, per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
+                   reward_weights=[0.7, 0.3], duet_budget=0.5),
+        train_dataset=make_arithmetic_dataset(4, seed=1))  # 4 prompts: all warm after the first two steps
+    trainer.train()
+    records = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(records) == 8
+    for h in records:
+        assert "reward" in h and abs(h["reward"] - 0.7) < 1e-5, h
+        assert h["duet/prompts_without_rollouts_frac"] < 1.0
+
+
+def test_cold_prompts_are_screened_in_the_first_pass(tmp_path, demo_dir):
+    """Step 1 sees only new prompts: each is screened (duet/screened_frac 1.0); with constant rewards every screen is
+    uniform, so only a few continue (duet_screen_keep_prob) and the step spends far less than its budget; later steps
+    on the same prompts are not screened."""
+    trainer = trl_fp8.GRPOTrainer(
+        model=demo_dir, reward_funcs=[_one, _zero],
+        args=_args(tmp_path, max_steps=3, per_device_train_batch_size=32, num_generations=8, max_completion_length=8,
+                   duet_budget=0.5, duet_screen_keep_prob=1e-9),
+        train_dataset=make_arithmetic_dataset(4, seed=1))
+    trainer.train()
+    records = [h for h in trainer.state.log_history if "loss" in h]
+    assert records[0]["duet/screened_frac"] == 1.0 and records[0]["duet/screen_uniform_frac"] == 1.0
+    assert records[0]["duet/rollouts_per_prompt/mean"] == 2.0  # the screens only: none continued
+    assert records[2]["duet/screened_frac"] == 0.0  # the 4 prompts are warm by then
+
+
+def test_screening_scores_with_the_trainers_reward_functions(tmp_path, demo_dir):
+    """A reward that differs within every group: every screen is mixed, every prompt continues to the allocator's
+    count (β = 0.5 of 8 slots: 4), the same counts as without screening."""
+    calls = []
+
+    def alternating(completions, **kwargs):
+        calls.append(len(completions))
+        return [float(i % 2) for i in range(len(completions))]
+
+    trainer = trl_fp8.GRPOTrainer(
+        model=demo_dir, reward_funcs=[alternating],
+        args=_args(tmp_path, max_steps=1, per_device_train_batch_size=32, num_generations=8, max_completion_length=8,
+                   duet_budget=0.5),
+        train_dataset=make_arithmetic_dataset(40, seed=1))
+    trainer.train()
+    h = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert h["duet/screened_frac"] == 1.0 and h["duet/screen_uniform_frac"] == 0.0
+    assert h["duet/rollouts_per_prompt/min"] == h["duet/rollouts_per_prompt/max"] == 4.0
+    assert calls[0] == 4 * 2  # the screens (4 prompts x 2), then TRL's own call on the whole batch
+    assert calls[1] == 32
+
+
+def test_sigterm_cuts_duets_generation_in_flight(tmp_path, demo_dir):
+    """DUET's generation path honours the other capabilities' stopping criteria (declared in
+    trl_fp8.capability.GENERATION_PATH_HONOURS): with a time budget, a SIGTERM during step 3's generation ends that
+    generation at the decoding step it came in (no forward pass after it), and step 2's checkpoint is saved."""
+    import os
+    import signal
+
+    trainer = trl_fp8.GRPOTrainer(
+        model=demo_dir, reward_funcs=[correctness_reward, format_reward],
+        args=_args(tmp_path, max_steps=5, per_device_train_batch_size=16, num_generations=8,
+                   max_completion_length=16, time_budget="10h", duet_screen=0),
+        train_dataset=make_arithmetic_dataset(200, seed=5))
+
+    class SigtermInGeneration:
+        def __init__(self):
+            self.calls = self.after = 0
+            self.sent = False
+
+        def __call__(self, module, args):
+            if trainer.state.global_step != 2:
+                return
+            self.calls += 1
+            if self.sent:
+                self.after += 1
+            elif self.calls == 3:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    spy = SigtermInGeneration()
+    handle = trainer.model.register_forward_pre_hook(spy)
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        output = trainer.train()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        handle.remove()
+    assert spy.sent and spy.after == 0  # the generation in flight ended at the decoding step the signal came in
+    assert trainer.state.global_step == 2 and output.metrics == {"stopped_in_step": 3}
+    assert [d for d in os.listdir(tmp_path / "run") if d.startswith("checkpoint-")] == ["checkpoint-2"]
+    assert received == []

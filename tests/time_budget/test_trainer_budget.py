@@ -241,3 +241,45 @@ def test_sigterm_between_micro_batches_of_a_generation_keeps_that_steps_buffer(t
 
     same = [torch.equal(p, q) for p, q in zip(straight.model.parameters(), resumed.model.parameters())]
     assert resumed.state.global_step == 6 and all(same)  # step 4 trained on the buffer it would have had
+
+
+def _same(a, b, path=""):
+    """Where two nested states differ (tensors and numpy arrays by value)."""
+    import torch
+
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return [] if torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b) else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [path + ": keys"] if set(a) != set(b) else [d for k in a for d in _same(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return [path + ": length"] if len(a) != len(b) else [d for i, (x, y) in enumerate(zip(a, b))
+                                                              for d in _same(x, y, f"{path}[{i}]")]
+    if hasattr(a, "tolist"):
+        return [] if a.tolist() == b.tolist() else [path]
+    return [] if a == b else [path]
+
+
+def test_a_sigterm_stopped_checkpoint_holds_the_state_at_the_end_of_its_step(tmp_path, demo_dir, sigterm_guard):
+    """DUET + time budget, SIGTERM in the generation of step 3: the checkpoint-2 the stop writes holds DUET's state
+    and the RNG states as they were at the end of step 2 — those of a run that saved checkpoint-2 on its way — not as
+    step 3's generation had moved them (DUET then counted the cut step's groups, and again when the resumed run redid
+    the step)."""
+    import torch
+
+    common = dict(time_budget="10h", duet=True, duet_budget=0.5, max_completion_length=16,
+                  lr_scheduler_type="constant")
+    straight = _trainer(demo_dir, tmp_path / "straight", max_steps=2, save_strategy="steps", save_steps=2, **common)
+    straight.train()
+    cut = _trainer(demo_dir, tmp_path / "cut", max_steps=5, **common)
+    spy = SigtermInGeneration(cut)
+    output = cut.train()
+    spy.handle.remove()
+    assert spy.sent and output.metrics == {"stopped_in_step": 3}
+    a, b = tmp_path / "straight" / "checkpoint-2", tmp_path / "cut" / "checkpoint-2"
+    _assert_complete(str(b), 2)
+    for name in ("duet_state.pt", "rng_state.pth"):
+        differ = _same(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False))
+        assert differ == [], (name, differ[:5])
+    from safetensors.torch import load_file
+
+    assert _same(load_file(a / "model.safetensors"), load_file(b / "model.safetensors")) == []

@@ -34,12 +34,14 @@ The package, one idea a module: :mod:`~trl_fp8.checkpoints.layout` (the names in
 :mod:`~trl_fp8.checkpoints.durable` (durable writes: fsync, marker, renames), :mod:`~trl_fp8.checkpoints.complete`
 (completeness), :mod:`~trl_fp8.checkpoints.staging` (what interrupted saves leave, and which savers share storage),
 :mod:`~trl_fp8.checkpoints.settings` (the settings a resume must match), :mod:`~trl_fp8.checkpoints.resume` (resume
-policy), :mod:`~trl_fp8.checkpoints.save` and :mod:`~trl_fp8.checkpoints.load`. The names the rest of trl_fp8 uses
+policy), :mod:`~trl_fp8.checkpoints.save` and :mod:`~trl_fp8.checkpoints.load`, and
+:mod:`~trl_fp8.checkpoints.boundary` (the end of the last complete step, which a stop inside the next one saves). The names the rest of trl_fp8 uses
 are imported here: ``trl_fp8.checkpoints.<name>``.
 """
 
 from __future__ import annotations
 
+from .boundary import mark as mark_step_boundary
 from .complete import Verdict, check_complete, checkpoints_in
 from .durable import commit, remove_checkpoint
 from .layout import GENERATION_STATE, MARKER, SETTINGS, TMP_PREFIX, TRAINER_STATE
@@ -52,6 +54,7 @@ from .staging import clean_stale
 __all__ = [
     "GENERATION_STATE", "MARKER", "SETTINGS", "TMP_PREFIX", "TRAINER_STATE", "Verdict", "check_complete",
     "check_settings", "check_world_size", "checkpoints_in", "clean_stale", "commit", "finished_run", "load_states",
+    "mark_step_boundary",
     "newest_complete", "prepare_resume", "remove_checkpoint", "rotate", "save_checkpoint", "save_final_model",
     "save_stopped_run", "settings_differences", "settings_of",
 ]

@@ -57,5 +57,3 @@ def load_states(trainer, checkpoint: str) -> None:
         state = _load(path, checkpoint, "TRL's generation buffer")
         device = trainer.accelerator.device
         _trl.restore_generation_buffer(trainer, state if device.type == "cpu" else _to_device(state, device))
-    # the resumed step is a step boundary: a stop inside the first step of this session saves this buffer again
-    trainer._step_boundary = (trainer._step, trainer._buffered_inputs)

@@ -21,9 +21,10 @@ from .staging import claim, staleness, storage_shared_with_main
 logger = logging.getLogger("trl_fp8.checkpoints")
 
 
-def save_checkpoint(trainer, trial) -> str:
+def save_checkpoint(trainer, trial, states: dict | None = None) -> str:
     """Write ``checkpoint-<global_step>`` atomically (see :mod:`trl_fp8.checkpoints`); push and rotate after. Every
-    process calls it. Returns the checkpoint's path."""
+    process calls it. ``states``: capability name -> the state to write instead of its ``state_dict()`` now (a
+    stopped step's boundary). Returns the checkpoint's path."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     args = trainer.args
@@ -42,7 +43,7 @@ def save_checkpoint(trainer, trial) -> str:
         heartbeat = claim(tmp)  # a job starting meanwhile (a replacement pod) leaves this folder alone
     try:
         with main_process_saves(args, shared):
-            _stage(trainer, trial, args, run_dir, tmp, final, committer)
+            _stage(trainer, trial, args, run_dir, tmp, final, committer, states or {})
     finally:
         if heartbeat is not None:
             heartbeat.stop()
@@ -53,7 +54,7 @@ def save_checkpoint(trainer, trial) -> str:
     return final
 
 
-def _stage(trainer, trial, args, run_dir: str, tmp: str, final: str, committer: bool) -> None:
+def _stage(trainer, trial, args, run_dir: str, tmp: str, final: str, committer: bool, states: dict) -> None:
     trainer.accelerator.wait_for_everyone()
     _trl.write_checkpoint_files(trainer, tmp, run_dir, trial)
     buffer = _trl.generation_buffer(trainer)
@@ -64,7 +65,7 @@ def _stage(trainer, trial, args, run_dir: str, tmp: str, final: str, committer: 
         capability.save_process_files(trainer, tmp)
     if committer:
         for capability in trainer.capabilities.values():
-            state = capability.state_dict()
+            state = states[capability.name] if capability.name in states else capability.state_dict()
             if state is not None and capability.state_file is not None:
                 torch.save(state, os.path.join(tmp, capability.state_file))
         write_json(os.path.join(tmp, SETTINGS), {"format": FORMAT, "trl_fp8": __version__,
@@ -152,15 +153,19 @@ def _write_final_model(trainer, output_dir: str, tmp: str) -> None:
 def save_stopped_run(trainer, trial):
     """After :class:`~trl_fp8.capability.StopNow` cut an optimizer step short: the weights, optimizer and scheduler are
     still those of the last complete step (its gradients were never applied), so that step's checkpoint is written
-    — with TRL's generation buffer as it was at that step's end — unless it exists already (saved at that step, or
-    the one resumed from). Then the callbacks' ``on_train_end`` runs (trackers flush) and ``train()`` returns."""
+    — with TRL's generation buffer, the RNG states and the capabilities' states as they were at that step's end
+    (:mod:`trl_fp8.checkpoints.boundary`) — unless it exists already (saved at that step, or the one resumed from).
+    Then the callbacks' ``on_train_end`` runs (trackers flush) and ``train()`` returns."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
     state, args = trainer.state, trainer.args
     boundary = getattr(trainer, "_step_boundary", None)
+    states = None
     if boundary is not None:
-        trainer._step, trainer._buffered_inputs = boundary
-    else:  # cut inside the first step of this session: no buffer from it (a resume generates afresh, as TRL does)
+        trainer._step, trainer._buffered_inputs = boundary.step, boundary.buffered_inputs
+        boundary.restore_rng()
+        states = boundary.states
+    else:  # stopped before any step of this session began: no buffer from it (a resume generates afresh, as TRL does)
         trainer._buffered_inputs = None
     if trainer.optimizer is not None:
         trainer.optimizer.zero_grad(set_to_none=True)  # the cut step's partial gradients
@@ -168,7 +173,7 @@ def save_stopped_run(trainer, trial):
     existing = os.path.join(_trl.run_dir(trainer, trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
     saved = None
     if step > 0 and not check_complete(existing).complete:
-        saved = save_checkpoint(trainer, trial)
+        saved = save_checkpoint(trainer, trial, states)
     if state.is_world_process_zero:
         logger.warning("trl_fp8: the step in flight (%d) was stopped at a micro-batch/generation boundary; %s. Resume "
                        "with resume_from_checkpoint='auto'.", step + 1,

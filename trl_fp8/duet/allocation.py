@@ -38,7 +38,7 @@ def _expected_counts(targets: torch.Tensor, n_min: int, n_max: int, min_inclusio
 
 def allocate_rollouts(
     s: torch.Tensor, lengths: torch.Tensor, budget: float, n_min: int = 2, n_max: int = 32,
-    rng: random.Random | None = None, min_inclusion: float = 0.05, iters: int = 80,
+    rng: random.Random | None = None, min_inclusion: float = 0.05, iters: int = 80, at_least_one: bool = True,
 ) -> tuple[torch.Tensor, float, torch.Tensor]:
     """Rollouts per prompt, the multiplier λ and the inclusion probabilities ``π_q``.
 
@@ -48,6 +48,9 @@ def allocate_rollouts(
     budget by the sampled prompts' luck; it is ``budget`` on average. With ``rng=None`` nothing is sampled: a prompt
     below ``n_min`` gets ``n_min`` when ``π_q >= 0.5``, else 0 (deterministic rounding, for inspection and tests).
     Zero informativeness everywhere means nothing to learn: every prompt is sampled at ``min_inclusion``.
+
+    ``at_least_one`` (default): a batch where every prompt's coin failed still gets one group (see
+    :func:`_at_least_one_group`): a step that samples nothing is a wasted optimizer step, and it would log no reward.
     """
     s = torch.as_tensor(s, dtype=torch.float64).clamp(min=0)
     lengths = torch.as_tensor(lengths, dtype=torch.float64)
@@ -86,7 +89,36 @@ def allocate_rollouts(
     for q in (targets < n_min).nonzero().flatten().tolist():
         draw = rng.random() if rng is not None else 0.5
         counts[q] = n_min if draw < float(inclusion[q]) else 0
+    if at_least_one and s.numel():
+        counts, inclusion = _at_least_one_group(counts, inclusion, n_min, rng)
     return counts, lam, inclusion
+
+
+def _at_least_one_group(counts: torch.Tensor, inclusion: torch.Tensor, n_min: int,
+                        rng: random.Random | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch never samples nothing: when every prompt's coin failed (probability ``P0 = Π (1 - π_q)``), one prompt
+    is picked with probability ``π_q / Σ π`` and given ``n_min`` rollouts (one more draw from ``rng``; without it, the
+    largest ``π_q``). The returned inclusion probabilities are the marginal ones of this two-stage draw,
+    ``π'_q = π_q + P0 · π_q / Σ π``, so weighting by ``1 / π'_q`` keeps the Horvitz-Thompson estimate unbiased. The
+    expected cost grows by ``P0 · n_min · L``: the budget is exceeded in expectation by that much."""
+    p0 = float(torch.prod(1.0 - inclusion))
+    if p0 <= 0.0:  # some prompt is certain to get rollouts
+        return counts, inclusion
+    share = inclusion / inclusion.sum()
+    inclusion = inclusion + p0 * share
+    if int(counts.sum()) == 0:
+        if rng is None:
+            q = int(torch.argmax(share))
+        else:
+            draw, cumulative, q = rng.random(), 0.0, len(share) - 1
+            for i, x in enumerate(share.tolist()):
+                cumulative += x
+                if draw < cumulative:
+                    q = i
+                    break
+        counts = counts.clone()
+        counts[q] = n_min
+    return counts, inclusion
 
 
 def propensities(n: torch.Tensor, min_propensity: float = 0.05) -> torch.Tensor:

@@ -4,8 +4,11 @@ the early-stop rule), placeholders excluded from rewards and loss, importance we
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
+import inspect
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +20,7 @@ from .markers import compile_markers
 from .sampling import DuetStoppingCriteria
 from .vllm import engine_rollouts
 
+logger = logging.getLogger("trl_fp8.duet")
 
 @dataclass
 class DuetArgs:
@@ -63,17 +67,58 @@ class DuetArgs:
         metadata={"help": "trl_fp8: DUET tokens past K2 before a marker-less rollout is aborted; default (None): "
                   "the paper's 150 tokens at a 3072-token cap, scaled to max_completion_length (at least 8)."},
     )
+    duet_abort_min_tokens: int | None = field(
+        default=None,
+        metadata={"help": "trl_fp8: DUET length before which no rollout is stopped or aborted (K1 >= it); default "
+                  "(None): the reference's 200 tokens at a 3072-token cap, scaled to max_completion_length."},
+    )
+    duet_poll_every: int | None = field(
+        default=None,
+        metadata={"help": "trl_fp8: DUET tokens between two looks for an answer marker; default (None): the "
+                  "reference's 8 tokens at a 3072-token cap, scaled to max_completion_length (at least 1)."},
+    )
+    duet_screen: int = field(
+        default=2,
+        metadata={"help": "trl_fp8: DUET cold start: a prompt never seen before first gets a screening group of "
+                  "this many rollouts, and the rest of its rollouts only if their rewards differ (else with "
+                  "probability duet_screen_keep_prob, weighted by its inverse); 0: off (cold prompts are "
+                  "allocated uniformly). 0 or >= 2."},
+    )
+    duet_screen_keep_prob: float = field(
+        default=0.1,
+        metadata={"help": "trl_fp8: DUET probability that a cold prompt whose screening group got one reward still "
+                  "gets the rest of its rollouts (then weighted 1/p, which keeps the gradient unbiased), in (0, 1]."},
+    )
 
 
-PAPER_GRACE, PAPER_CAP = 150, 3072  # the reference's grace after K2, at its completion cap
+PAPER_CAP = 3072  # the reference's completion cap; its length knobs below are scaled from it
+PAPER_GRACE, PAPER_MIN_TOKENS, PAPER_POLL, PAPER_K_GAP = 150, 200, 8, 50
+
+
+def scaled(value: int | None, paper: int, max_completion_length: int, minimum: int) -> int:
+    """``value`` when set, else the reference's ``paper`` tokens at its 3072-token cap scaled to
+    ``max_completion_length`` (at least ``minimum``)."""
+    if value is not None:
+        return value
+    return max(minimum, round(paper * max_completion_length / PAPER_CAP))
 
 
 def abort_grace(grace: int | None, max_completion_length: int) -> int:
     """Tokens past K2 before a marker-less rollout is aborted: ``grace`` when set, else the reference's 150 tokens
     at a 3072-token cap scaled to ``max_completion_length`` (at least 8 tokens, one marker poll)."""
-    if grace is not None:
-        return grace
-    return max(8, round(PAPER_GRACE * max_completion_length / PAPER_CAP))
+    return scaled(grace, PAPER_GRACE, max_completion_length, 8)
+
+
+def length_knobs(args, max_completion_length: int) -> dict:
+    """The abort rule's lengths for this run, each in proportion to ``max_completion_length`` unless set: grace
+    after K2 (>= 8), minimum length before any stop (K1 >= it; >= 0), the gap K2 - K1 (>= 1) and the marker poll
+    period (>= 1)."""
+    return {
+        "grace": abort_grace(args.duet_abort_grace, max_completion_length),
+        "min_tokens": scaled(args.duet_abort_min_tokens, PAPER_MIN_TOKENS, max_completion_length, 0),
+        "k_gap": scaled(None, PAPER_K_GAP, max_completion_length, 1),
+        "poll_every": scaled(args.duet_poll_every, PAPER_POLL, max_completion_length, 1),
+    }
 
 
 class Duet(Capability):
@@ -82,7 +127,8 @@ class Duet(Capability):
     state_file = "duet_state.pt"
     state_required = False  # checkpoints of earlier trl_fp8 versions have none: the controller then starts afresh
     resume_fields = ("duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
-                     "duet_min_propensity", "duet_max_weight", "duet_abort_grace", "duet_prior_strength")
+                     "duet_min_propensity", "duet_max_weight", "duet_abort_grace", "duet_prior_strength",
+                     "duet_abort_min_tokens", "duet_poll_every", "duet_screen", "duet_screen_keep_prob")
     conflicts = (Conflict("use_transformers_continuous_batching", "DUET plans and stops each rollout on the "
                           "default transformers generation path (or a colocated vLLM engine)."),)
     engines = {
@@ -112,6 +158,13 @@ class Duet(Capability):
         check_int("duet_n_min", args.duet_n_min, 2)
         check_int("duet_n_max", args.duet_n_max, 2, allow_none=True)
         check_int("duet_abort_grace", args.duet_abort_grace, 0, allow_none=True)
+        check_int("duet_abort_min_tokens", args.duet_abort_min_tokens, 0, allow_none=True)
+        check_int("duet_poll_every", args.duet_poll_every, 1, allow_none=True)
+        check_int("duet_screen", args.duet_screen, 0)
+        if args.duet_screen == 1:
+            raise ValueError("duet_screen=1 is not allowed: one rollout's reward cannot show whether a prompt's "
+                             "outcomes differ. Use 0 (no screening) or >= 2 (the default is 2).")
+        check_fraction("duet_screen_keep_prob", args.duet_screen_keep_prob)
         if args.duet_n_max is not None and args.duet_n_max > args.num_generations:
             raise ValueError(f"duet_n_max={args.duet_n_max} exceeds num_generations={args.num_generations} (the "
                              "slots per prompt).")
@@ -145,11 +198,17 @@ class Duet(Capability):
         if trainer.tools or trainer.rollout_func is not None or trainer.environment_factories is not None:
             raise ValueError("duet=True does not support tools, rollout_func or environments yet.")
         a = trainer.args
+        screen = a.duet_screen
+        if screen and any(isinstance(f, torch.nn.Module) for f in trainer.reward_funcs):
+            logger.info("duet_screen: a reward model is among the reward functions; screening scores rollouts "
+                        "inside the generation step with reward functions only, so it is off for this run.")
+            screen = 0
         self.controller = DuetController(
             budget=a.duet_budget, slots=trainer.num_generations, n_min=a.duet_n_min, n_max=a.duet_n_max,
             markers=a.duet_markers, keep_prob=a.duet_abort_keep_prob, min_propensity=a.duet_min_propensity,
             max_weight=a.duet_max_weight, seed=a.seed, default_length=float(trainer.max_completion_length),
-            grace=abort_grace(a.duet_abort_grace, trainer.max_completion_length), prior_strength=a.duet_prior_strength,
+            prior_strength=a.duet_prior_strength, screen=screen, screen_keep_prob=a.duet_screen_keep_prob,
+            **length_knobs(a, trainer.max_completion_length),
         )
         self.batch = None
         self.last_weights = None  # the latest batch's importance weights (global, and this rank's slice)
@@ -173,18 +232,26 @@ class Duet(Capability):
     def vllm_generate(self, trainer):
         return functools.partial(self.generate_vllm, trainer) if trainer.model.training else None
 
-    def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, model=None):
+    def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, model=None, *,
+                 stopping_criteria=()):
         """Generate only the planned rollouts (with the early-stop rule) through TRL's own transformers path, with
-        ``model`` (e.g. Fair Cast's twin) instead of the learner when given. See :meth:`planned_generation`."""
+        ``model`` (e.g. Fair Cast's twin) instead of the learner when given, honouring the other capabilities'
+        ``stopping_criteria`` (e.g. the time budget's SIGTERM stop ends the generation in flight). See
+        :meth:`planned_generation`."""
         if images is not None or multimodal_fields:
             raise ValueError("duet=True supports text prompts only.")
 
         def rows(prompts, monitors):
-            criterion = DuetStoppingCriteria(monitors, trainer._tokenizer, trainer.eos_token_ids)
-            with _trl.generating_with(trainer, model, [criterion.scores_tap], [criterion]):
+            criterion = DuetStoppingCriteria(monitors, trainer._tokenizer, trainer.eos_token_ids,
+                                             poll_every=self.controller.poll_every)
+            with _trl.generating_with(trainer, model, [criterion.scores_tap], [*stopping_criteria, criterion]):
                 generated, _ = _trl.trl_generate(trainer, prompts, images, multimodal_fields, num_generations)
-            return [(ids[:stop_at] if stop_at is not None else ids, float(criterion.sum_logps[j]), None)
-                    for j, (ids, stop_at) in enumerate(zip(generated, criterion.stop_at, strict=True))]
+            out = [(ids[:stop_at] if stop_at is not None else ids, float(criterion.sum_logps[j]), None)
+                   for j, (ids, stop_at) in enumerate(zip(generated, criterion.stop_at, strict=True))]
+            # cut: another capability's criterion ended the generation (a row neither ended, stopped nor full)
+            cut = any(not criterion.finished[j] and criterion.stop_at[j] is None
+                      and len(ids) < trainer.max_completion_length for j, ids in enumerate(generated))
+            return out, cut
 
         completion_ids, _ = self.planned_generation(trainer, prompt_ids, num_generations, rows, logprobs=False)
         return completion_ids, None
@@ -202,21 +269,27 @@ class Duet(Capability):
 
         def rows(prompts, monitors):
             rollouts = engine_rollouts(generation.llm, prompts, monitors, params, trainer._tokenizer,
-                                       trainer.eos_token_ids)
-            return [(r.completion_ids, r.sum_logp, r.logprobs) for r in rollouts]
+                                       trainer.eos_token_ids, poll_every=self.controller.poll_every)
+            return [(r.completion_ids, r.sum_logp, r.logprobs) for r in rollouts], False
 
         return self.planned_generation(trainer, prompt_ids, num_generations, rows, logprobs=True)
 
     def planned_generation(self, trainer, prompt_ids, slots, rows, logprobs: bool):
-        """Plan the batch, generate this rank's planned rollouts with ``rows(prompts, monitors) -> [(completion_ids,
-        Σ log π, per-token logprobs or None)]``, fill unplanned slots with a 1-token placeholder (reward None, loss
+        """Plan the batch, generate this rank's planned rollouts with ``rows(prompts, monitors) -> ([(completion_ids,
+        Σ log π, per-token logprobs or None)], cut)`` (``cut``: another capability's stopping criterion ended the
+        generation, e.g. on SIGTERM: nothing more is generated this step), fill unplanned slots with a 1-token placeholder (reward None, loss
         mask 0: see :meth:`adjust_rewards`, :meth:`adjust_batch`), record the outcomes and the ``duet/*`` metrics.
         Returns ``(completion_ids, logprobs)`` for this rank's slots (with ``logprobs``: per token, a placeholder's
         one token None; else None).
 
+        Screening (``duet_screen``): the screened prompts' screens are generated with the rest of the first plan,
+        scored with the trainer's reward functions (:meth:`_screen_uniform`), and the rollouts the controller then
+        adds (:meth:`DuetController.after_screen`) are generated in a second pass.
+
         With many processes (DDP) the plan is made for the *global* batch (every rank's prompts, gathered in rank
         order as TRL gathers rewards), identically on every rank; each rank generates its own planned rows, and the
-        outcomes (lengths, aborts, Σ log π) are gathered so every rank learns and weights the same way."""
+        outcomes (lengths, aborts, Σ log π, screen rewards) are gathered so every rank learns and weights the same
+        way."""
         everyone = distributed.gather_objects([list(p) for p in prompt_ids])  # [prompt_ids] on one process
         start = sum(len(part) for part in everyone[:distributed.rank()])
         stop = start + len(prompt_ids)
@@ -227,25 +300,40 @@ class Duet(Capability):
         keys = [hashlib.sha1(repr(list(all_ids[g * slots])).encode()).hexdigest() for g in range(groups)]
         full_length = self.controller.stats.cold_length()
         plan = self.controller.plan(keys)
-        planned = plan.real_rows()  # global rows
-        mine = [i for i, r in enumerate(planned) if start <= r < stop]
-        monitors = [plan.monitors[i] for i in mine]
-        generated = rows([all_ids[planned[i]] for i in mine], monitors) if mine else []  # a rank may have none
+        results: dict[int, tuple] = {}  # this rank's global rows -> (completion_ids, Σ log π, token logprobs)
+        outcomes: dict[int, tuple] = {}  # every rank's global rows -> (length, aborted, ε-kept, Σ log π)
+
+        def run(global_rows: list[int]) -> bool:
+            by_row = dict(zip(plan.real_rows(), plan.monitors, strict=True))
+            mine = [r for r in global_rows if start <= r < stop]
+            generated, cut = rows([all_ids[r] for r in mine], [by_row[r] for r in mine]) if mine else ([], False)
+            local = []
+            for r, (ids, sum_logp, lps) in zip(mine, generated, strict=True):
+                results[r] = (ids, sum_logp, lps)
+                local.append((r, len(ids), by_row[r].aborted, by_row[r].eps_kept, sum_logp))
+            any_cut = False
+            for part_cut, part in distributed.gather_objects((cut, local)):  # every rank's outcomes: the global batch
+                any_cut |= part_cut
+                for r, length, aborted, eps_kept, sum_logp in part:
+                    outcomes[r] = (length, aborted, eps_kept, sum_logp)
+                    by_row[r].aborted, by_row[r].eps_kept = aborted, eps_kept
+            return any_cut
+
+        cut = run(plan.real_rows())
+        screened = int(plan.screened.sum()) if plan.screened is not None else 0
+        if screened and not cut:  # a cut step is abandoned by the trainer's stop point: no second pass
+            uniform = self._screen_uniform(trainer, plan, results, outcomes, start, stop)
+            run(self.controller.after_screen(plan, uniform))
+        planned = plan.real_rows()  # global rows, final
         placeholder = [trainer.eos_token_ids[0]]
         completion_ids = [placeholder] * len(prompt_ids)
         token_logps = [[None]] * len(prompt_ids) if logprobs else None
-        for i, (ids, _, lps) in zip(mine, generated, strict=True):
-            completion_ids[planned[i] - start] = ids
+        for r, (ids, _, lps) in results.items():
+            completion_ids[r - start] = ids
             if logprobs:
-                token_logps[planned[i] - start] = lps
-        local = [(i, len(ids), m.aborted, m.eps_kept, sum_logp)
-                 for i, (ids, sum_logp, _), m in zip(mine, generated, monitors, strict=True)]
-        lengths = [0] * len(planned)
-        sum_logps = torch.zeros(len(planned), dtype=torch.float64)
-        for part in distributed.gather_objects(local):  # every rank's outcomes: the global batch
-            for i, length, aborted, eps_kept, sum_logp in part:
-                lengths[i], sum_logps[i] = length, sum_logp
-                plan.monitors[i].aborted, plan.monitors[i].eps_kept = aborted, eps_kept
+                token_logps[r - start] = lps
+        lengths = [outcomes[r][0] for r in planned]
+        sum_logps = torch.tensor([outcomes[r][3] for r in planned], dtype=torch.float64)
         self.batch = {"plan": plan, "rows": planned, "lengths": lengths, "sum_logps": sum_logps, "start": start,
                       "stop": stop}
         aborted = sum(m.aborted for m in plan.monitors)
@@ -258,12 +346,59 @@ class Duet(Capability):
             "duet/rollouts_per_prompt/min": counts.min().item(),
             "duet/rollouts_per_prompt/max": counts.max().item(),
             "duet/prompts_without_rollouts_frac": (plan.counts == 0).double().mean().item(),
+            "duet/screened_frac": screened / groups,
         }
+        if screened:
+            metrics["duet/screen_uniform_frac"] = sum(plan.screen_uniform) / screened
         if plan.lam != float("inf"):
             metrics["duet/lambda"] = plan.lam
         for name, value in metrics.items():
             _trl.record_metric(trainer, name, value)
         return completion_ids, token_logps
+
+    def _screen_uniform(self, trainer, plan, results, outcomes, start: int, stop: int) -> list[bool | None]:
+        """Per screened prompt: True when its kept screen rollouts all got one total reward (the trainer's reward
+        functions, weighted and summed as TRL sums them), False when they differ, None when fewer than 2 were kept.
+        Each rank scores its own rows (it holds their dataset rows); the rewards are gathered."""
+        slots = plan.slots
+        idx = plan.screened.nonzero().flatten().tolist()
+        if getattr(trainer, "_generation_inputs", None) is None:  # called outside a training batch: no rows to
+            return [None] * len(idx)  # score with, every screen continues (as without screening)
+        screen_rows = [q * slots + j for q in idx for j in range(int(plan.counts[q]))]
+        mine = [r for r in screen_rows if r in results and not outcomes[r][1]]
+        rewards = self._score(trainer, [r - start for r in mine], [results[r][0] for r in mine]) if mine else []
+        by_row = {}
+        for part in distributed.gather_objects(list(zip(mine, rewards))):
+            by_row.update(dict(part))
+        uniform = []
+        for q in idx:
+            values = [by_row[q * slots + j] for j in range(int(plan.counts[q])) if q * slots + j in by_row]
+            uniform.append(None if len(values) < 2 else max(values) - min(values) <= 1e-12)
+        return uniform
+
+    @staticmethod
+    def _score(trainer, local_rows: list[int], completion_ids: list[list[int]]) -> list[float]:
+        """The total reward of completions of this rank's slots ``local_rows``: each reward function called as TRL
+        calls it (prompts, completions decoded as TRL decodes them, completion ids, the dataset columns, the trainer
+        state), None counted as 0 and the functions weighted and summed as TRL does (``nansum``). Reward functions
+        that log (``log_metric``, ``log_extra``) are given no-ops here: their logs come from TRL's own call."""
+        inputs = trainer._generation_inputs
+        sub = [inputs[i] for i in local_rows]
+        prompts = [x["prompt"] for x in sub]
+        texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [x[k] for x in sub] for k in sub[0] if k not in ("prompt", "completion", "completion_ids")}
+        total = torch.zeros(len(sub), dtype=torch.float64)
+        weights = trainer.reward_weights.tolist()
+        for func, weight in zip(trainer.reward_funcs, weights, strict=True):
+            out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+                       trainer_state=trainer.state, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
+            if inspect.isawaitable(out):
+                out = asyncio.run(out)
+            values = torch.tensor([float("nan") if v is None else float(v) for v in out], dtype=torch.float64)
+            total += torch.nan_to_num(values * weight, nan=0.0)
+        return total.tolist()
 
     # -- batch ---------------------------------------------------------------------------------------------------
     def _excluded_rows(self, total: int) -> torch.Tensor:
@@ -289,6 +424,14 @@ class Duet(Capability):
         global_advantages = torch.tensor([a for part in parts for a in part], dtype=torch.float64)
         excluded = self._excluded_rows(global_advantages.numel())
         self.controller.observe(plan, self.batch["lengths"], global_advantages[rows], self.batch["sum_logps"])
+        groups = zero = 0  # generated groups (>= 2 kept rollouts) whose rewards all agreed: advantage 0 throughout
+        for g, n in enumerate(plan.counts.tolist()):
+            kept = [g * plan.slots + j for j in range(n) if not excluded[g * plan.slots + j]]
+            if len(kept) >= 2:
+                groups += 1
+                zero += bool((global_advantages[kept] == 0).all())
+        if groups:
+            _trl.record_metric(trainer, "duet/zero_std_groups_frac", zero / groups)
         weights = torch.zeros(global_advantages.numel(), dtype=torch.float64)
         weights[rows] = self.controller.weights(plan).double()
         local = weights[start:stop].to(advantages.dtype).to(advantages.device)

@@ -39,6 +39,10 @@ class BatchPlan:
     slots: int
     inclusion: torch.Tensor | None = None  # per prompt: probability it was given rollouts (1: certainly)
     monitors: list[RolloutMonitor] = field(default_factory=list)  # one per real rollout, prompt by prompt
+    # screening (cold start): per prompt, whether it is screened first, and the rollouts the allocator gave it
+    screened: torch.Tensor | None = None
+    planned: torch.Tensor | None = None
+    screen_uniform: list[bool] = field(default_factory=list)  # per screened prompt, after the screen: one reward
 
     def real_rows(self) -> list[int]:
         """Slot rows (in the full groups × slots layout) that hold a real rollout, in generation order."""
@@ -49,12 +53,16 @@ class DuetController:
     def __init__(self, budget: float, slots: int, n_min: int = 2, n_max: int | None = None, markers=("math",),
                  keep_prob: float = 0.05, min_propensity: float = 0.05, max_weight: float = 1000.0,
                  seed: int = 0, default_length: float = 64.0, margin_threshold: float = 0.9, grace: int = 150,
-                 prior_strength: float = 0.0):
+                 prior_strength: float = 0.0, screen: int = 0, screen_keep_prob: float = 0.1, min_tokens: int = 0,
+                 k_gap: int = 0, poll_every: int = 8):
         self.budget = budget
         self.slots = slots
         self.n_min = n_min
         self.n_max = n_max or slots
         self.grace = grace
+        self.min_tokens, self.k_gap, self.poll_every = min_tokens, k_gap, poll_every
+        self.screen = screen
+        self.screen_keep_prob = screen_keep_prob
         self.detector = MarkerDetector(list(markers))
         self.keep_prob = keep_prob
         self.min_propensity = min_propensity
@@ -81,7 +89,11 @@ class DuetController:
         self.rng.setstate((int(rng["version"]), tuple(int(x) for x in rng["internal"]), rng["gauss_next"]))
 
     def plan(self, keys: list[str]) -> BatchPlan:
-        s, lengths, _, reprobe = self.stats.lookup(keys)
+        """Rollouts per prompt for this batch. With screening on (``screen > 0``), a cold prompt (never observed) that
+        the allocator gave more than ``screen`` rollouts gets only ``screen`` for now: its first group is a screen, and
+        :meth:`after_screen` decides the rest from the screen's rewards (``plan.planned`` keeps the allocator's
+        counts)."""
+        s, lengths, warm, reprobe = self.stats.lookup(keys)
         mean_len = self.stats.cold_length()
         budget = self.budget * len(keys) * self.slots * mean_len
         counts, lam, inclusion = allocate_rollouts(s, lengths, budget, self.n_min, self.n_max, rng=self.rng,
@@ -90,17 +102,77 @@ class DuetController:
         floor = max(2, self.n_min) if self.n_max >= 2 else self.n_min
         counts = torch.where(reprobe, counts.clamp(min=floor), counts)
         inclusion = torch.where(reprobe, torch.ones_like(inclusion), inclusion)
-        plan = BatchPlan(keys, counts, propensities(counts, self.min_propensity), lam, self.slots, inclusion)
+        planned = counts.clone()
+        screened = (~warm) & (counts > self.screen) if self.screen > 0 else torch.zeros_like(warm)
+        counts = torch.where(screened, torch.full_like(counts, self.screen), counts)
+        plan = BatchPlan(keys, counts, propensities(counts, self.min_propensity), lam, self.slots, inclusion,
+                         screened=screened, planned=planned)
         # Each rollout's coins are drawn here, in row order, from the controller's stream (a monitor tosses at most
         # two): which rank generates a row, and in which order its tokens arrive, changes no draw, so every rank of a
         # DDP run keeps the same stream and a global batch gets the same coins on any number of ranks.
-        plan.monitors = [
-            RolloutMonitor(self.detector, self.quantiles.k1, self.quantiles.k2, Coins(self.rng),
-                           margin_threshold=self.margin_threshold, keep_prob=self.keep_prob,
-                           trim_skip_prob=self.keep_prob, grace=self.grace)
-            for _ in range(int(counts.sum()))
-        ]
+        plan.monitors = [self._monitor() for _ in range(int(counts.sum()))]
         return plan
+
+    def _monitor(self) -> RolloutMonitor:
+        k1 = max(self.quantiles.k1, self.min_tokens)  # nothing stops before min_tokens
+        k2 = max(self.quantiles.k2, k1 + self.k_gap)
+        return RolloutMonitor(self.detector, k1, k2, Coins(self.rng), margin_threshold=self.margin_threshold,
+                              keep_prob=self.keep_prob, trim_skip_prob=self.keep_prob, grace=self.grace,
+                              poll_every=self.poll_every)
+
+    def after_screen(self, plan: BatchPlan, uniform: list[bool | None]) -> list[int]:
+        """The rest of the screened prompts' rollouts, from their screens: ``uniform[i]`` is True when the i-th
+        screened prompt's kept screen rollouts all got one reward (that group teaches nothing), False when the
+        rewards differ, None when fewer than 2 were kept (unknown: treated as mixed).
+
+        A mixed screen always continues; a uniform one continues with probability ``screen_keep_prob`` (one draw
+        each, in prompt order) and is then weighted by ``1 / screen_keep_prob`` (its inclusion probability is
+        multiplied by it): over the screen's outcome the prompt's expected weight is 1, so the batch gradient stays
+        unbiased against the one a full group would give (a stopped uniform screen has advantage 0 anyway). The
+        rollouts the allocator gave the screened prompts beyond their screens are pooled and handed out round-robin
+        (in prompt order, at most ``n_max`` a prompt) to the prompts that continue: a step whose screens are all
+        mixed ends with exactly the allocator's counts (nothing changes where every group is informative); a step
+        with uniform screens spends their rollouts on the mixed ones. The bias this leaves: a continuing prompt's
+        group size depends on how many others continue (the same propensity weights as any allocation correct it).
+
+        Updates ``plan`` (counts, propensities, inclusion, monitors: new rows' monitors are drawn here, in prompt
+        order) and returns the new rows (slot rows in the groups x slots layout), in generation order."""
+        idx = plan.screened.nonzero().flatten().tolist()
+        if len(uniform) != len(idx):
+            raise ValueError(f"uniform must have one entry per screened prompt ({len(idx)}), got {len(uniform)}")
+        plan.screen_uniform = [bool(u) for u in uniform]
+        continuing = []
+        for q, u in zip(idx, uniform, strict=True):
+            if u:
+                keep = self.rng.random() < self.screen_keep_prob
+                if keep:
+                    plan.inclusion[q] = plan.inclusion[q] * self.screen_keep_prob
+            else:
+                keep = True
+            if keep:
+                continuing.append(q)
+        pool = sum(int(plan.planned[q]) - int(plan.counts[q]) for q in idx)
+        extra = {q: 0 for q in continuing}
+        room = {q: self.n_max - int(plan.counts[q]) for q in continuing}
+        while pool > 0 and any(room[q] > extra[q] for q in continuing):
+            for q in continuing:
+                if pool > 0 and extra[q] < room[q]:
+                    extra[q] += 1
+                    pool -= 1
+        before = plan.counts.tolist()
+        by_prompt, row = [], 0
+        for n in before:
+            by_prompt.append(plan.monitors[row:row + n])
+            row += n
+        new_rows = []
+        for q in continuing:
+            for j in range(before[q], before[q] + extra[q]):
+                by_prompt[q].append(self._monitor())
+                new_rows.append(q * plan.slots + j)
+            plan.counts[q] = before[q] + extra[q]
+        plan.monitors = [m for ms in by_prompt for m in ms]
+        plan.propensity = propensities(plan.counts, self.min_propensity)
+        return new_rows
 
     def weights(self, plan: BatchPlan) -> torch.Tensor:
         """Per real rollout: importance weight, 0 for aborted rollouts."""

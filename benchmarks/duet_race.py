@@ -1,0 +1,387 @@
+"""DUET's race, pre-registered: generated tokens to a held-out target, DUET against GRPO with G = 8 and G = 4, on the
+mixed-difficulty task (``trl_fp8.app.tasks.mixed_math``) where uniform sampling wastes rollouts.
+
+SmolLM2-135M-Instruct (``trl-fp8:smollm2``), full fine-tuning, fp32 (DUET's question is not a precision question),
+CPU, one thread. Every arm trains on the calibrated training pool (the prompts recur) with ``PROMPTS`` prompts a
+step, correctness reward only, temperature 0.7, completion cap 128, AdamW at ``LR`` constant, for ``STEPS`` steps;
+the seed sets the trainer seed and the data order and is shared by the arms (paired). The held-out set (medium and
+hard prompts, disjoint from the pool) is measured at step 0 and every ``EVAL_EVERY`` steps: ``EVAL_SAMPLES``
+completions per problem at the training temperature, outside the timed region, with the training RNG untouched.
+
+Arms (``ARMS``):
+- ``grpo8``  plain GRPO, 8 rollouts a prompt (the baseline of the headline);
+- ``grpo4``  plain GRPO, 4 rollouts a prompt: the same tokens a step as DUET at β = 0.5 (the control that says
+             whether the allocator adds anything);
+- ``duet``   DUET full, β = 0.5 (allocation, the screening cold start, the marker-gated abort), 8 slots a prompt;
+- diagnostics, one seed: ``zv_skip`` (GRPO-8 whose all-same groups are dropped from the loss, DAPO-style, no
+  resampling: same tokens as GRPO-8) and ``duet_alloc`` (DUET's allocation only: no screening, no abort).
+
+x-axis: cumulative *generated* tokens (every completion token sampled, screening and aborted rollouts included;
+DUET's placeholders are not generated and count 0), with wall-clock and rollouts beside it.
+
+**Pre-registered** (fixed in this file before any race run; not to be changed after seeing results):
+- ``TARGET_RULE``: the target accuracy is the mean over GRPO-8's seeds of its held-out accuracy at step
+  ``STEPS // 2`` (half its budget), but at least ``MIN_GAIN`` above the mean held-out accuracy at step 0 (so that a
+  GRPO-8 that has not learnt by then cannot make a target that noise reaches at the first evaluation). An arm reaches it at the first evaluation after step 0 whose accuracy is >= the
+  target; its tokens to target are its cumulative generated tokens at that evaluation. An arm that never reaches it
+  gives a lower bound (its whole run).
+- Headline: per seed, DUET's tokens to target over GRPO-8's (and over GRPO-4's); the mean over the seeds where both
+  reached it, with a bootstrap 95 % interval over seeds (10,000 resamples, seed 0); the goal is <= 0.5 against GRPO-8
+  and < 1 against GRPO-4.
+- Also reported per arm: area under held-out accuracy against tokens (trapezoid, up to the smallest total token
+  count of the arms' runs, divided by it: a mean accuracy), the zero-variance group fraction (TRL's
+  ``frac_reward_zero_std`` for GRPO arms; for DUET, the fraction of its generated groups whose rewards were all
+  equal), DUET's n_q histogram and abort rate, wall-clock.
+
+Resumable: every (arm, seed) unit checkpoints every ``EVAL_EVERY`` steps under ``--output-dir`` and resumes with
+``resume_from_checkpoint="auto"``; every step's metrics and every evaluation are appended to ``--jsonl``
+(``benchmarks/_runlog.py``); units already done are skipped. The driver runs the units in ``ORDER`` (seed by seed,
+the essential arms first, then the diagnostics), one process, so the same command resumes after any stop:
+
+    OMP_NUM_THREADS=1 nohup python benchmarks/duet_race.py >> runs/duet_race.log 2>&1 &    # run / resume
+    python benchmarks/duet_race.py --report        # tables + plot from the JSONL (partial records marked)
+    python benchmarks/duet_race.py --probe         # time a few steps of each essential arm (not recorded as a run)
+
+Last two lines of ``--report``: ``duet_tokens_to_target_over_grpo4: <ratio>`` then
+``duet_tokens_to_target_over_grpo8: <ratio>`` (``n/a`` with the reason when no seed pair reached the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from _runlog import spread  # noqa: E402
+
+# ---- pre-registered settings (see the docstring; fixed before the first race run) -------------------------------
+PROMPTS = 4  # prompts a step
+STEPS = 48  # optimizer steps per run (the pool of 48 prompts recurs every 12 steps: 4 passes)
+LR = 5e-6  # measured to move SmolLM2 on chat_math within 20 steps (benchmarks/results/duet_smollm2.txt)
+EVAL_EVERY = 6
+EVAL_SAMPLES = 2
+SEEDS = (0, 1, 2)
+MIN_GAIN = 0.05  # about 2 standard errors of a held-out mean (240 samples at p ~ 0.3: 0.03)
+TARGET_RULE = ("max(mean over GRPO-8's seeds of its held-out accuracy at step STEPS // 2, mean held-out accuracy at "
+               "step 0 + MIN_GAIN)")
+ARMS = {
+    "grpo8": dict(num_generations=8),
+    "grpo4": dict(num_generations=4),
+    "duet": dict(num_generations=8, duet=True, duet_budget=0.5),
+    "zv_skip": dict(num_generations=8),  # plus the zero-variance skip (see ZeroVarianceSkip)
+    "duet_alloc": dict(num_generations=8, duet=True, duet_budget=0.5, duet_screen=0, duet_abort_keep_prob=1.0),
+}
+ESSENTIAL = ("grpo8", "grpo4", "duet")
+ORDER = [(arm, seed) for seed in SEEDS for arm in ESSENTIAL] + [("zv_skip", 0), ("duet_alloc", 0)]
+KEYS = ("bench", "arm", "seed", "steps")
+JSONL = os.path.join(HERE, "results", "duet_race_smollm2.jsonl")
+PLOT = os.path.join(HERE, "results", "duet_race_smollm2.png")
+
+
+def _key(arm: str, seed: int) -> dict:
+    return {"bench": "duet_race", "arm": arm, "seed": seed, "steps": STEPS}
+
+
+def _trainer_class(arm: str):
+    import trl_fp8
+
+    if arm != "zv_skip":
+        return trl_fp8.GRPOTrainer
+
+    class ZeroVarianceSkip(trl_fp8.GRPOTrainer):
+        """GRPO whose all-same groups leave the loss (their completion mask is zeroed, so they no longer count in
+        the token normaliser either): DAPO's filter without its resampling."""
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            g = self.num_generations
+            adv = out["advantages"].view(-1, g)
+            keep = (adv.abs().sum(1) > 0).repeat_interleave(g)
+            out["completion_mask"] = out["completion_mask"] * keep.unsqueeze(1).to(out["completion_mask"].dtype)
+            return out
+
+    return ZeroVarianceSkip
+
+
+def _step_metrics(trainer):
+    """A step's record: TRL's and DUET's numeric metrics, DUET's n_q and its groups' reward spread."""
+    import _runlog
+
+    def pick(logs: dict) -> dict:
+        rec = _runlog.numeric(logs)
+        duet = trainer.capability("duet") if hasattr(trainer, "capability") else None
+        if duet is not None and duet.last_weights is not None:
+            rec["n_q"] = duet.last_weights["counts"]
+        return rec
+
+    return pick
+
+
+def run_unit(arm: str, seed: int, jsonl: str, output_dir: str, steps: int = STEPS, probe: bool = False) -> None:
+    """One resumable (arm, seed) run; returns at once when ``jsonl`` says it is done."""
+    import _runlog
+    import torch
+    from transformers.trainer_callback import PrinterCallback
+
+    import trl_fp8
+    from trl_fp8.app.tasks import mixed_math as mm
+    from trl_fp8.models import SMOLLM2, resolve_model
+
+    key = _key(arm, seed) if not probe else {**_key(arm, seed), "bench": "duet_race_probe", "steps": steps}
+    if _runlog.is_done(jsonl, key):
+        return
+    calibration = mm.load_calibration()
+    settings = ARMS[arm]
+    out = os.path.join(output_dir, _runlog.run_name(key))
+    args = trl_fp8.GRPOConfig(
+        output_dir=out, use_cpu=True, bf16=False, max_steps=steps, learning_rate=LR, lr_scheduler_type="constant",
+        per_device_train_batch_size=PROMPTS * settings["num_generations"], max_completion_length=mm.MAX_COMPLETION_LENGTH,
+        temperature=mm.TEMPERATURE, logging_steps=1, save_strategy="no" if probe else "steps", save_steps=EVAL_EVERY,
+        save_total_limit=1, report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=seed,
+        data_seed=seed, fair_cast="off", sync_checks="off",
+        **{k: v for k, v in settings.items()},
+    )
+    trainer = _trainer_class(arm)(model=resolve_model(SMOLLM2), reward_funcs=[mm.correctness_reward], args=args,
+                                  train_dataset=mm.make_mixed_math_dataset("train", calibration))
+    trainer.remove_callback(PrinterCallback)
+
+    def evaluate(model, step: int) -> dict:
+        torch.manual_seed(10_000 + step)
+        return {"heldout": mm.mixed_math_accuracy(model, trainer.processing_class, calibration,
+                                                   samples=EVAL_SAMPLES)}
+
+    trainer.add_callback(_runlog.recorder(jsonl, key, EVAL_EVERY if not probe else 10 ** 9,
+                                          None if probe else evaluate, _step_metrics(trainer)))
+    trainer.train(resume_from_checkpoint=None if probe else "auto")
+    if trainer.state.global_step >= steps:
+        _runlog.finish(jsonl, key, out)
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+def _generated_tokens(rec: dict, rows: int) -> float:
+    """Completion tokens a step generated: DUET's own count (screens and aborted rollouts included, placeholders
+    not), else TRL's mean completion length x rows."""
+    return rec["duet/tokens"] if "duet/tokens" in rec else rec["completions/mean_length"] * rows
+
+
+def _rollouts(rec: dict, rows: int) -> float:
+    return sum(rec["n_q"]) if "n_q" in rec else rows
+
+
+def _zero_variance(rec: dict) -> float | None:
+    if "duet/tokens" not in rec:
+        return rec.get("frac_reward_zero_std")
+    return rec.get("duet/zero_std_groups_frac")
+
+
+def curves_from(runs: dict) -> dict:
+    """(arm, seed) -> {points: [(step, tokens, seconds, rollouts, acc)], totals, done, steps run, per-step records}."""
+    curves = {}
+    for r in runs.values():
+        arm, seed = r["key"]["arm"], r["key"]["seed"]
+        if arm not in ARMS:
+            continue
+        rows = PROMPTS * ARMS[arm]["num_generations"]
+        tokens = seconds = rollouts = 0.0
+        points = [(0, 0.0, 0.0, 0.0, r["evals"][0]["heldout"])] if 0 in r["evals"] else []
+        for step in sorted(r["steps"]):
+            rec = r["steps"][step]
+            tokens += _generated_tokens(rec, rows)
+            seconds += rec["seconds"]
+            rollouts += _rollouts(rec, rows)
+            if step in r["evals"]:
+                points.append((step, tokens, seconds, rollouts, r["evals"][step]["heldout"]))
+        curves[arm, seed] = dict(points=points, tokens=tokens, seconds=seconds, rollouts=rollouts, done=r["done"],
+                                 steps=max(r["steps"], default=0), records=[r["steps"][s] for s in sorted(r["steps"])])
+    return curves
+
+
+def first_reaching(points, target):
+    for point in points[1:]:  # step 0 does not count
+        if point[4] >= target:
+            return point
+    return None
+
+
+def auc(points, limit: float) -> float | None:
+    """Mean held-out accuracy over generated tokens [0, limit] (trapezoid; None when the run stops short of it)."""
+    if not points or points[-1][1] < limit or limit <= 0:
+        return None
+    area = 0.0
+    for (_, x0, _, _, y0), (_, x1, _, _, y1) in zip(points, points[1:]):
+        if x0 >= limit:
+            break
+        if x1 > limit:
+            y1 = y0 + (y1 - y0) * (limit - x0) / (x1 - x0)
+            x1 = limit
+        area += (x1 - x0) * (y0 + y1) / 2
+    return area / limit
+
+
+def bootstrap_mean(xs: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile interval of the mean of ``xs`` resampled with replacement."""
+    rng = random.Random(seed)
+    means = sorted(statistics.mean(rng.choice(xs) for _ in xs) for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def report(jsonl: str, plot: str | None = PLOT) -> list[str]:
+    import _runlog
+
+    lines = []
+    say = lines.append
+    curves = curves_from(_runlog.load_runs(jsonl, KEYS))
+    say(f"DUET race: SmolLM2-135M-Instruct, mixed_math, full fine-tuning, fp32, CPU 1 thread; {PROMPTS} prompts a "
+        f"step, {STEPS} steps, lr {LR:g} constant, temperature 0.7, cap 128; held-out {EVAL_SAMPLES} samples a "
+        f"problem every {EVAL_EVERY} steps; seeds {list(SEEDS)}")
+    say(f"pre-registered target: {TARGET_RULE}")
+    say("units (arm, seed): " + ", ".join(
+        f"{a}/{s}: " + ("done" if (a, s) in curves and curves[a, s]["done"] else
+                        f"partial ({curves[a, s]['steps']}/{STEPS} steps)" if (a, s) in curves else "not run")
+        for a, s in ORDER))
+    half = STEPS // 2
+    at_half = [next((p[4] for p in curves["grpo8", s]["points"] if p[0] == half), None)
+               for s in SEEDS if ("grpo8", s) in curves]
+    at_half = [x for x in at_half if x is not None]
+    target = statistics.mean(at_half) if len(at_half) == len(SEEDS) else None
+    if target is None:
+        say(f"target: pending (GRPO-8 has reached step {half} on {len(at_half)} of {len(SEEDS)} seeds)")
+    else:
+        start = statistics.mean(c["points"][0][4] for c in curves.values() if c["points"])
+        floor = start + MIN_GAIN
+        say(f"target: {max(target, floor):.4f} (GRPO-8 at step {half} {target:.4f}, per seed "
+            f"{', '.join(f'{x:.3f}' for x in at_half)}; mean held-out at step 0 {start:.4f}, + {MIN_GAIN} = "
+            f"{floor:.4f})")
+        target = max(target, floor)
+    ends = [c["points"][-1][1] for (a, _), c in curves.items() if a in ESSENTIAL and c["done"]]
+    limit = min(ends) if ends else 0.0
+    say("")
+    say("| arm | seed | steps | tokens to target | rollouts to target | seconds to target | final acc | AUC (tokens <= "
+        f"{limit:,.0f}) | total tokens | zero-variance groups | abort rate | train s |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    hits = {}
+    for arm in ARMS:
+        for seed in SEEDS:
+            c = curves.get((arm, seed))
+            if c is None:
+                continue
+            h = first_reaching(c["points"], target) if target is not None else None
+            hits[arm, seed] = h
+            zv = [z for z in map(_zero_variance, c["records"]) if z is not None]
+            aborts = [r["duet/abort_frac"] for r in c["records"] if "duet/abort_frac" in r]
+            a = auc(c["points"], limit)
+            reach = ("pending" if target is None else f"{h[1]:,.0f} | {h[3]:,.0f} | {h[2]:,.0f}" if h else
+                     f">= {c['tokens']:,.0f} | >= {c['rollouts']:,.0f} | >= {c['seconds']:,.0f}")
+            if target is None:
+                reach = "pending | pending | pending"
+            say(f"| {arm} | {seed} | {c['steps']}{'' if c['done'] else ' (partial)'} | {reach} | "
+                f"{c['points'][-1][4] if c['points'] else float('nan'):.3f} | {'n/a' if a is None else f'{a:.3f}'} | "
+                f"{c['tokens']:,.0f} | {statistics.mean(zv) if zv else float('nan'):.3f} | "
+                f"{statistics.mean(aborts) if aborts else 0.0:.3f} | {c['seconds']:,.0f} |")
+    for arm in ("duet", "duet_alloc"):
+        hist = {}
+        for (a, _), c in curves.items():
+            if a == arm:
+                for r in c["records"]:
+                    for n in r.get("n_q", []):
+                        hist[n] = hist.get(n, 0) + 1
+        if hist:
+            total = sum(hist.values())
+            say(f"{arm} n_q histogram (prompts): " + ", ".join(f"{n}: {hist[n] / total:.3f}" for n in sorted(hist)))
+    headline = {}
+    for base in ("grpo4", "grpo8"):
+        ratios, bounds = [], []
+        for seed in SEEDS:
+            d, g = hits.get(("duet", seed)), hits.get((base, seed))
+            dc, gc = curves.get(("duet", seed)), curves.get((base, seed))
+            if dc is None or gc is None or not (dc["done"] and gc["done"]) or target is None:
+                bounds.append(f"seed {seed}: pending")
+            elif d and g:
+                ratios.append(d[1] / g[1])
+            elif g:
+                bounds.append(f"seed {seed}: >= {dc['tokens'] / g[1]:.2f} (DUET did not reach it)")
+            elif d:
+                bounds.append(f"seed {seed}: <= {d[1] / gc['tokens']:.2f} ({base} did not reach it)")
+            else:
+                bounds.append(f"seed {seed}: neither reached it")
+        interval = bootstrap_mean(ratios) if len(ratios) > 1 else None
+        say(f"duet / {base} tokens to target, per seed: {', '.join(f'{x:.3f}' for x in ratios) or 'none'}; "
+            f"{spread(ratios, '.3f')}" + (f"; bootstrap 95 % [{interval[0]:.3f}, {interval[1]:.3f}]" if interval
+                                          else "") + (f"; {'; '.join(bounds)}" if bounds else ""))
+        headline[base] = (f"{statistics.mean(ratios):.3f}" if ratios else
+                          f"n/a ({'; '.join(bounds) if bounds else 'no seed pair'})")
+    if plot and curves:
+        _plot(curves, target, plot)
+        say(f"plot: {os.path.relpath(plot, os.path.dirname(HERE))}")
+    say(f"duet_tokens_to_target_over_grpo4: {headline['grpo4']}")
+    say(f"duet_tokens_to_target_over_grpo8: {headline['grpo8']}")
+    return lines
+
+
+def _plot(curves, target, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4")):
+        for i, seed in enumerate(SEEDS):
+            c = curves.get((arm, seed))
+            if c is None or not c["points"]:
+                continue
+            ax.plot([p[1] for p in c["points"]], [p[4] for p in c["points"]], color=color, alpha=0.8, marker="o",
+                    ms=3, lw=1.2, ls="-" if c["done"] else ":", label=arm if i == 0 or (arm, SEEDS[0]) not in curves
+                    else None)
+    if target is not None:
+        ax.axhline(target, color="grey", ls="--", lw=1, label="target (pre-registered)")
+    ax.set(xlabel="generated tokens (cumulative)", ylabel="held-out accuracy",
+           title="DUET race on SmolLM2 mixed_math (dotted: run in progress)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jsonl", default=JSONL)
+    parser.add_argument("--output-dir", default="runs/duet_race")
+    parser.add_argument("--report", action="store_true", help="tables and plot from --jsonl")
+    parser.add_argument("--report-file", default=os.path.join(HERE, "results", "duet_race_smollm2.txt"))
+    parser.add_argument("--probe", action="store_true", help="time PROBE_STEPS steps of each essential arm")
+    parser.add_argument("--units", nargs="*", help="arm:seed units to run (default: ORDER)")
+    args = parser.parse_args()
+    if args.report:
+        lines = report(args.jsonl)
+        text = "\n".join(lines)
+        print(text)
+        with open(args.report_file, "w") as f:
+            f.write(text + "\n")
+        return
+    if args.probe:
+        probe = os.path.join(HERE, "results", "duet_race_probe.jsonl")
+        for arm in ESSENTIAL:
+            t0 = time.perf_counter()
+            run_unit(arm, 0, probe, args.output_dir, steps=3, probe=True)
+            print(json.dumps({"probe": arm, "seconds_for_3_steps": round(time.perf_counter() - t0, 1)}), flush=True)
+        return
+    units = [(u.split(":")[0], int(u.split(":")[1])) for u in args.units] if args.units else ORDER
+    for arm, seed in units:
+        if arm not in ARMS:
+            parser.error(f"unknown arm {arm!r}; one of {', '.join(ARMS)}")
+        print(json.dumps({"unit": arm, "seed": seed, "start": time.time()}), flush=True)
+        run_unit(arm, seed, args.jsonl, args.output_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""benchmarks/duet_race.py --report: read from raw records only, on partial records (units marked, the headline
+n/a with the reason) and on complete ones (the pre-registered target, tokens to target, the ratios, the last two
+lines); the pure pieces (first crossing, area, bootstrap) exactly."""
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import duet_race  # noqa: E402
+
+
+def _write(path, arm, seed, accs, tokens_per_step, done=True, upto=None):
+    """A run of ``arm``: ``accs`` at step 0 and every EVAL_EVERY steps; each step generates ``tokens_per_step``."""
+    key = duet_race._key(arm, seed)
+    steps = duet_race.STEPS if upto is None else upto
+    rows = duet_race.PROMPTS * duet_race.ARMS[arm]["num_generations"]
+    recs = [{**key, "kind": "start", "from_step": 0}, {**key, "kind": "eval", "step": 0, "heldout": accs[0]}]
+    for s in range(1, steps + 1):
+        rec = {**key, "kind": "step", "step": s, "seconds": 1.0}
+        if arm.startswith("duet"):
+            rec.update({"duet/tokens": tokens_per_step, "duet/abort_frac": 0.0, "n_q": [2, 6, 0, 8],
+                        "duet/zero_std_groups_frac": 0.25})
+        else:
+            rec.update({"completions/mean_length": tokens_per_step / rows, "frac_reward_zero_std": 0.5})
+        recs.append(rec)
+        if s % duet_race.EVAL_EVERY == 0:
+            recs.append({**key, "kind": "eval", "step": s, "heldout": accs[s // duet_race.EVAL_EVERY]})
+    if done:
+        recs.append({**key, "kind": "done"})
+    with open(path, "a") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_pieces():
+    points = [(0, 0.0, 0, 0, 0.1), (6, 100.0, 0, 0, 0.3), (12, 200.0, 0, 0, 0.5)]
+    assert duet_race.first_reaching(points, 0.3) == points[1]
+    assert duet_race.first_reaching(points, 0.05) == points[1]  # step 0 never counts
+    assert duet_race.first_reaching(points, 0.6) is None
+    assert duet_race.auc(points, 200.0) == pytest.approx((0.2 * 100 + 0.4 * 100) / 200)
+    assert duet_race.auc(points, 150.0) == pytest.approx((0.2 * 100 + 50 * (0.3 + 0.4) / 2) / 150)
+    assert duet_race.auc(points, 300.0) is None
+    lo, hi = duet_race.bootstrap_mean([1.0, 1.0, 1.0])
+    assert lo == hi == 1.0
+    lo, hi = duet_race.bootstrap_mean([0.2, 0.4, 0.6])
+    assert 0.2 <= lo < 0.4 < hi <= 0.6
+
+
+def test_partial_records_report_pending_units_and_na(tmp_path):
+    path = str(tmp_path / "race.jsonl")
+    n_evals = duet_race.STEPS // duet_race.EVAL_EVERY + 1
+    _write(path, "grpo8", 0, [0.1 + 0.01 * i for i in range(n_evals)], 640.0)
+    _write(path, "duet", 0, [0.1] * n_evals, 320.0, done=False, upto=7)
+    lines = duet_race.report(path, plot=None)
+    assert "grpo8/0: done" in lines[2] and "duet/0: partial (7/48 steps)" in lines[2] and "grpo4/1: not run" in lines[2]
+    assert lines[3].startswith("target: pending (GRPO-8 has reached step 24 on 1 of 3 seeds)")
+    assert lines[-2].startswith("duet_tokens_to_target_over_grpo4: n/a (seed 0: pending")
+    assert lines[-1].startswith("duet_tokens_to_target_over_grpo8: n/a (seed 0: pending")
+
+
+def test_complete_records_give_the_pre_registered_target_and_the_ratios(tmp_path):
+    path = str(tmp_path / "race.jsonl")
+    n_evals = duet_race.STEPS // duet_race.EVAL_EVERY + 1  # 9 evaluations: steps 0, 6, ..., 48
+    grpo = [0.1 + 0.05 * i for i in range(n_evals)]  # at step 24 (index 4): 0.3 on every seed: the target
+    for seed in duet_race.SEEDS:
+        _write(path, "grpo8", seed, grpo, 640.0)
+        _write(path, "grpo4", seed, grpo, 320.0)  # same curve per step, half the tokens: target at step 24
+        _write(path, "duet", seed, [0.1, 0.31] + [0.35] * (n_evals - 2), 320.0)  # the target at step 6
+    lines = duet_race.report(path, plot=None)
+    assert lines[3].startswith("target: 0.3000 (GRPO-8 at step 24")
+    # tokens to target: GRPO-8 24 x 640, GRPO-4 24 x 320, DUET 6 x 320
+    row = next(line for line in lines if line.startswith("| duet | 0 |"))
+    assert "| 1,920 | 96 | 6 |" in row  # tokens, rollouts (16 a step from n_q), seconds
+    assert lines[-2] == f"duet_tokens_to_target_over_grpo4: {6 * 320 / (24 * 320):.3f}"
+    assert lines[-1] == f"duet_tokens_to_target_over_grpo8: {6 * 320 / (24 * 640):.3f}"
+    assert any(line.startswith("duet n_q histogram (prompts): 0: 0.250, 2: 0.250, 6: 0.250, 8: 0.250")
+               for line in lines)
+
+
+def test_a_grpo8_that_has_not_learnt_does_not_make_a_target_noise_reaches(tmp_path):
+    path = str(tmp_path / "race.jsonl")
+    n_evals = duet_race.STEPS // duet_race.EVAL_EVERY + 1
+    for seed in duet_race.SEEDS:
+        _write(path, "grpo8", seed, [0.2, 0.21, 0.2, 0.19, 0.2, 0.22, 0.26, 0.2, 0.2], 640.0)
+        _write(path, "duet", seed, [0.2, 0.22] + [0.2] * (n_evals - 2), 320.0)
+    lines = duet_race.report(path, plot=None)
+    assert lines[3].startswith(f"target: {0.2 + duet_race.MIN_GAIN:.4f} (GRPO-8 at step 24 0.2000")
+    assert next(line for line in lines if line.startswith("| grpo8 | 0 |")).split(" | ")[3] == "23,040"  # step 36
+    assert next(line for line in lines if line.startswith("| duet | 0 |")).split(" | ")[3] == ">= 15,360"
+    assert lines[-1] == "duet_tokens_to_target_over_grpo8: n/a (seed 0: >= 0.67 (DUET did not reach it); seed 1: " \
+                        ">= 0.67 (DUET did not reach it); seed 2: >= 0.67 (DUET did not reach it))"
