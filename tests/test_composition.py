@@ -86,6 +86,14 @@ def test_one_offer_wins_by_declared_overrides_and_two_undeclared_are_an_error():
         composition.winner({fast: "dense", other: "x"})
 
 
+def test_mutual_overrides_are_named_as_such():
+    a, b = _cap("a", overrides=["b"]), _cap("b", overrides=["a"])
+    with pytest.raises(ValueError, match="override each other"):
+        composition.setup_order((a, b))
+    with pytest.raises(RuntimeError, match=r"\['a', 'b'\] override each other"):
+        composition.winner({a: "offer a", b: "offer b"})
+
+
 def test_the_resolved_composition_is_logged_at_start(tmp_path, demo_dir, caplog):
     """One offer wins and is installed once; the log says who set up in which order, who serves, who generates and
     who observes every sync."""

@@ -21,6 +21,11 @@ def setup_order(capabilities) -> tuple:
             if name not in by_name:
                 raise ValueError(f"{cap.__name__} names {name!r}, which is not a capability "
                                  f"({', '.join(sorted(by_name))}).")
+    for cap in capabilities:
+        for name in cap.overrides:
+            if cap.name in by_name[name].overrides:
+                raise ValueError(f"{cap.__name__} and {by_name[name].__name__} override each other (`overrides`): "
+                                 "one offer must win; declare it on one of the two only.")
     ordered, placed, visiting = [], set(), []
 
     def place(cap) -> None:
@@ -66,6 +71,11 @@ def winner(offers: dict):
         return None
     beaten = {name for cap in offers for name in cap.overrides}
     left = [offer for cap, offer in offers.items() if cap.name not in beaten]
+    mutual = sorted(cap.name for cap in offers if any(cap.name in other.overrides and other.name in cap.overrides
+                                                      for other in offers))
+    if mutual:
+        raise RuntimeError(f"capabilities {mutual} override each other: one offer must win; declare `overrides` on "
+                           "one of them only.")
     if len(left) != 1:
         raise RuntimeError(f"capabilities {sorted(cap.name for cap in offers)} each offer the same thing and none "
                            "overrides the others: declare `overrides` on the one that wins.")

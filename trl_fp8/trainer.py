@@ -41,6 +41,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
     _loss_inputs = None
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *pargs, **kwargs):
+        if isinstance(args, GRPOConfig):
+            args.validate_trl_fp8()  # again: a field set after the config was built skipped its checks
         model = models.resolve_model(model)  # e.g. "trl-fp8:smollm2" -> its converted folder
         lora = None
         if args is not None and any(cls.wanted(args) and cls.engine_lora(args) for cls in CAPABILITIES):

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import trl
 
 import trl_fp8
 from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
@@ -223,6 +224,23 @@ def test_beam_search_falls_back_to_re_scoring_and_still_compares(tmp_path, demo_
     rescore = checks._rescore
     checks._rescore = lambda *args: (rescored.append(1), rescore(*args))
     trainer.train()
-    assert checks.logits_processors(trainer) == []  # no tap with beams
+    with checks.generating(trainer):
+        assert checks._tap_handle is None  # no tap with beams
     assert len(rescored) == 2 and checks.monitor.compared["logprob_agreement"] == 2
     assert not checks.monitor.failures
+
+
+def test_the_tap_leaves_the_model_when_a_generation_is_cut(tmp_path, demo_dir, monkeypatch):
+    """The sampler's logprob tap is a forward hook on the generating model: a generation that ends early (a stop, an
+    error) must not leave it there."""
+    trainer = _trainer(tmp_path, demo_dir, max_steps=2)
+    twin = trainer.serving().model
+
+    def cut(*args, **kwargs):
+        assert twin._forward_hooks  # the tap is on while the generation runs
+        raise RuntimeError("generation cut")
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", cut)
+    with pytest.raises(RuntimeError, match="generation cut"):
+        trainer.train()
+    assert not twin._forward_hooks and trainer.capability("sync_checks")._tap_handle is None

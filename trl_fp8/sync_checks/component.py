@@ -20,13 +20,14 @@ batch), so both sides of the comparison see the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, distributed, numerics
+from .. import _trl, composition, distributed, numerics
 from ..capability import Capability, check_choice, check_int
 from ..samplers import VLLMColocateSampler, VLLMServerSampler
 from .checks import resolve_checks
@@ -212,14 +213,20 @@ class SyncChecks(Capability):
         return LearnerSide(stream, specs, offer.learner_values if offer is not None else None)
 
     # -- the logprob check ---------------------------------------------------------------------------------------
-    def logits_processors(self, trainer) -> list:
-        """Starts the tap on the model about to generate (the twin, or the learner decoding through its rollout
-        cache): a forward hook, not a logits processor — transformers inspects every processor's signature at every
-        decoding step, which cost more than the tap itself. It is stopped by :meth:`after_generation` (or by the
-        next generation, should this one raise)."""
+    def generating(self, trainer):
+        """Around each in-process generation call: the tap on the model about to generate (the twin, or the learner
+        decoding through its rollout cache) — a forward hook, not a logits processor (transformers inspects every
+        processor's signature at every decoding step, which cost more than the tap itself). The hook is removed when
+        the call ends, however it ends (a stop, an error); what it recorded is read by :meth:`after_generation`. A
+        replaced generation path (DUET) is re-scored instead."""
         self._stop_tap()
-        if not self.monitor.enabled("logprob_agreement") or trainer.tools or _trl.num_beams(trainer) > 1:
-            return []  # beams reorder and prune rows: the check re-scores the finished rollouts instead
+        if not self.monitor.enabled("logprob_agreement") or trainer.tools or _trl.num_beams(trainer) > 1 or \
+                composition.generation_path(trainer) is not None:
+            return contextlib.nullcontext()  # beams reorder and prune rows: the check re-scores the finished rollouts
+        return self._tapping(trainer)
+
+    @contextlib.contextmanager
+    def _tapping(self, trainer):
         offer = trainer.serving()
         model = offer.model if offer is not None and offer.model is not None else \
             trainer.accelerator.unwrap_model(trainer.model)
@@ -227,7 +234,12 @@ class SyncChecks(Capability):
             model = model.get_base_model()
         self._tap = SampledLogprobTap(trainer.temperature)  # the sampler's logprob of each sampled token
         self._tap_handle = model.register_forward_hook(self._tap.forward_hook, with_kwargs=True)
-        return []
+        try:
+            yield
+        finally:
+            handle, self._tap_handle = self._tap_handle, None
+            if handle is not None:
+                handle.remove()
 
     def _stop_tap(self) -> SampledLogprobTap | None:
         handle, self._tap_handle = getattr(self, "_tap_handle", None), None
