@@ -84,3 +84,33 @@ def test_one_offer_wins_by_declared_overrides_and_two_undeclared_are_an_error():
     assert composition.winner({fair: None, fast: None}) is None
     with pytest.raises(RuntimeError, match="none overrides the others"):
         composition.winner({fast: "dense", other: "x"})
+
+
+def test_mutual_overrides_are_named_as_such():
+    a, b = _cap("a", overrides=["b"]), _cap("b", overrides=["a"])
+    with pytest.raises(ValueError, match="override each other"):
+        composition.setup_order((a, b))
+    with pytest.raises(RuntimeError, match=r"\['a', 'b'\] override each other"):
+        composition.winner({a: "offer a", b: "offer b"})
+
+
+def test_the_resolved_composition_is_logged_at_start(tmp_path, demo_dir, caplog):
+    """One offer wins and is installed once; the log says who set up in which order, who serves, who generates and
+    who observes every sync."""
+    import logging
+
+    import trl_fp8
+    from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+
+    args = trl_fp8.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=1,
+                              per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                              report_to="none", save_strategy="no", fair_cast="stochastic", duet=True)
+    with caplog.at_level(logging.INFO, logger="trl_fp8"):
+        trainer = trl_fp8.GRPOTrainer(model=demo_dir, reward_funcs=[correctness_reward], args=args,
+                                      train_dataset=make_arithmetic_dataset(8, seed=1))
+    text = caplog.text
+    assert "capabilities in set-up order: fair_cast -> duet -> sync_checks" in text
+    assert "sampler: fair_cast's offer: transformers, sent its stream in bfloat16; generates: its model" in text
+    assert "observers of every sync: sync_checks" in text and "in-process generation path: duet" in text
+    offer = trainer.serving()
+    assert offer.owner == "fair_cast" and offer.model is trainer.capability("fair_cast").sampler.model

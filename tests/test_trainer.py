@@ -96,3 +96,27 @@ def test_accepts_a_plain_trl_config(tmp_path, tiny_model_dir):
     )
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_a_field_set_after_the_config_was_built_is_checked_when_the_trainer_is(tmp_path, demo_dir):
+    """Notebooks set fields on a built config (``args.x = ...``): the trainer checks them again, before building
+    anything — e.g. continuous batching would silently discard Fair Cast's fp32 master."""
+    import trl_fp8
+    from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
+
+    def build(**late):
+        args = trl_fp8.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=1,
+                                  per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                                  report_to="none", save_strategy="no")
+        for key, value in late.items():
+            setattr(args, key, value)
+        return trl_fp8.GRPOTrainer(model=demo_dir, reward_funcs=[correctness_reward], args=args,
+                                   train_dataset=make_arithmetic_dataset(8, seed=1))
+
+    with pytest.raises(ValueError, match=r"fair_cast='stochastic' cannot be combined with "
+                                         r"use_transformers_continuous_batching=True"):
+        build(fair_cast="stochastic", use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match=r"fair_cast='sr' is not valid; allowed values: 'off', 'rtn'"):
+        build(fair_cast="sr")
+    with pytest.raises(ValueError, match=r"lora_serving='dense' is not valid"):
+        build(lora_serving="dense")

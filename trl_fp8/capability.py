@@ -9,9 +9,10 @@ them; every hook has a do-nothing default, so a capability implements only what 
 - ``setup(trainer)``: once, in list order, after TRL's own ``__init__``; returns False when, on this run, the
   capability has nothing to do (it is then dropped, having said why);
 - generation (the in-process path): ``generating(trainer)`` (a context around each generation call),
-  ``logits_processors(trainer)`` / ``after_generation(trainer, completion_ids)``; the sampler it owns, for the
-  checks: ``rollout_sampler(trainer)`` (one no sync feeds) and ``sampler_numerics(trainer)`` (how that sampler
-  computes, from the learner's weights);
+  ``logits_processors(trainer)`` / ``after_generation(trainer, completion_ids)``;
+- the sampler: ``offer(trainer)`` (a :class:`SamplerOffer`: stream, dtype, sampler, model, numerics), resolved once
+  after set-up and installed by the trainer; ``sampler_ready(trainer, offer)`` once it is; ``before_sync`` /
+  ``after_sync`` around every sync (the weight-sync checks observe them);
 - batch and loss: ``adjust_rewards(trainer, rewards)``, ``adjust_batch(trainer, output)``,
   ``on_policy_logps(trainer, inputs, logps)`` (the loss forward's per-token logprobs);
 - tensors: ``describe(model)`` (the :class:`~trl_fp8.numerics.TensorSpec` of each tensor it changes the numerics
@@ -30,9 +31,10 @@ Where capabilities meet is declared data, read in one place (:mod:`trl_fp8.compo
   unknown name is an error at import);
 - ``conflicts``: the settings it cannot run with (:class:`Conflict`: a field and why), and ``excludes``: the other
   capabilities it cannot run with — checked once, when a ``GRPOConfig`` is built, naming both sides;
-- ``serving(trainer)``, ``generation_model(trainer)`` and ``engine_context(args)`` offer what replaces TRL's sync
-  stream, the in-process generation model and the vLLM engine's build context; ``overrides`` names the capabilities
-  whose offer this one's replaces when both offer (two offers without a declared winner are an error).
+- ``offer(trainer)``, ``generation_path(trainer)``, ``vllm_generate(trainer)`` and ``engine_context(args)`` /
+  ``engine_lora(args)`` offer the sampler and its stream, the in-process generation call, the vLLM engine call and
+  the vLLM engine's build context; ``overrides`` names the capabilities whose offer this one's replaces when both
+  offer (two offers without a declared winner are an error at set-up).
 """
 
 from __future__ import annotations
@@ -86,12 +88,52 @@ class Conflict:
 
 
 @dataclass
-class Serving:
-    """What a capability serves to the sampler in place of TRL's stream of the learner's parameters."""
+class SamplerOffer:
+    """Who generates the rollouts and what a sync sends it: one capability's offer (:meth:`Capability.offer`). The
+    trainer resolves the offers once, after every capability set up (one winner, by ``overrides``), installs the
+    winner and runs every sync of it with the capabilities as observers (:meth:`Capability.before_sync` /
+    :meth:`Capability.after_sync`). No capability installs a stream of its own or looks up who else offers.
 
-    stream: object  # () -> iterable of (learner name, tensor in ``dtype``)
-    dtype: torch.dtype
-    sampler: object = None  # the in-process sampler it writes to (None with vLLM: TRL's sync sends the stream)
+    - ``stream``: ``() -> iterable of (learner name, tensor in dtype)``, what a sync sends (None: TRL's own stream);
+    - ``dtype``: the dtype of what is sent (the sampler computes in it);
+    - ``sampler``: the :class:`~trl_fp8.samplers.Sampler` the rollouts come from, as the checks read it back (an
+      in-process twin a sync writes to, a rollout cache no sync feeds, a vLLM engine's LoRA slots); None with vLLM:
+      the engine as TRL built it (the checks read its weights), or in-process: the learner itself;
+    - ``model``: the in-process model to generate with instead of the learner (synced first when ``sampler.synced``),
+      or None;
+    - ``numerics``: ``() -> context manager`` yielding a model that computes the way the sampler computes, from the
+      learner's current weights (the logprob check's reference ρ), or None (the learner cast to the sampler's dtype);
+    - ``learner_values``: ``(name) -> tensor | None``, the value the learner's loss computes with for a streamed name,
+      read from its parameters rather than the stream, in ``dtype`` (the weight-sync checks' ``quant_parity``
+      compares the sampler with it), or None;
+    - ``install``: ``(trainer) -> Sampler | None``, run once by the trainer for the winner only: hooks ``stream`` into
+      TRL's vLLM sync (a returned sampler replaces ``sampler``, e.g. one that only exists once installed);
+    - ``owner``: the capability's name (set by the trainer).
+    """
+
+    stream: Callable | None = None
+    dtype: torch.dtype | None = None
+    sampler: object = None
+    model: torch.nn.Module | None = None
+    numerics: Callable | None = None
+    learner_values: Callable | None = None
+    install: Callable | None = None
+    owner: str = ""
+
+
+_REGISTERED: tuple = ()
+
+
+def register(capabilities) -> None:
+    """Called once by :mod:`trl_fp8.registry`: the capability list, for a capability that must ask the others a
+    declared question at config time (e.g. the checks' :meth:`Capability.separate_sampler`) without importing them."""
+    global _REGISTERED
+    _REGISTERED = tuple(capabilities)
+
+
+def registered() -> tuple:
+    """The capability list :mod:`trl_fp8.registry` registered (empty before it is imported)."""
+    return _REGISTERED
 
 
 # What a capability's generation_path (which replaces the in-process generation call) must still honour: the
@@ -118,7 +160,7 @@ class Capability:
     after: tuple[str, ...] = ()  # capabilities whose set-up this one builds on
     conflicts: tuple[Conflict, ...] = ()  # settings it cannot run with
     excludes: dict[str, str] = {}  # other capability -> why the two cannot run together
-    overrides: tuple[str, ...] = ()  # capabilities whose serving / generation model this one's replaces
+    overrides: tuple[str, ...] = ()  # capabilities whose offers (sampler, generation path) this one's replaces
 
     @classmethod
     def asked(cls, args) -> str:
@@ -129,6 +171,18 @@ class Capability:
     def engine_context(cls, args):
         """A context manager TRL's vLLM engine is built in (config time, before any capability exists), or None."""
         return None
+
+    @classmethod
+    def separate_sampler(cls, args) -> bool:
+        """Config time: whether this capability, when wanted, generates with a sampler separate from the learner (a
+        twin), which the weight-sync checks have something to compare with even without vLLM."""
+        return False
+
+    @classmethod
+    def engine_lora(cls, args) -> bool:
+        """Config time: whether this capability, when set up, serves a LoRA policy to TRL's colocated vLLM engine as
+        base + adapters (the engine is then built with LoRA enabled, rank and targets from the PEFT config)."""
+        return False
 
     @classmethod
     def wanted(cls, args) -> bool:
@@ -167,12 +221,10 @@ class Capability:
         saves the last complete step's checkpoint and ``train()`` returns."""
         return False
 
-    def serving(self, trainer) -> Serving | None:
-        """What to send the sampler instead of TRL's stream of the learner's parameters, or None."""
-        return None
-
-    def generation_model(self, trainer):
-        """The in-process model to generate with instead of the learner (synced for this step), or None."""
+    def offer(self, trainer) -> SamplerOffer | None:
+        """What this capability offers to generate the rollouts with and to send the sampler (a
+        :class:`SamplerOffer`), or None. Asked once, after every capability set up; the winner is installed by the
+        trainer (see :class:`SamplerOffer`)."""
         return None
 
     def generation_path(self, trainer):
@@ -191,17 +243,18 @@ class Capability:
         """A function answering TRL's colocated vLLM engine call (after TRL's own sync), or None."""
         return None
 
-    # -- the sampler it owns, for the weight-sync checks --------------------------------------------------------
-    def rollout_sampler(self, trainer):
-        """A separate in-process sampler this capability generates with that no sync feeds (e.g. fast QLoRA's
-        rollout cache), as a :class:`trl_fp8.samplers.Sampler` with ``synced = False``; None: it has none."""
-        return None
+    # -- the sampler, once chosen: observers of every sync -------------------------------------------------------
+    def sampler_ready(self, trainer, offer: SamplerOffer | None) -> bool:
+        """Once, after the trainer resolved and installed the sampler offer (``offer``; None: TRL's own sampler and
+        stream): e.g. the weight-sync checks build their sampler and learner sides here. False: nothing to do on this
+        run (the capability is dropped, having said why)."""
+        return True
 
-    def sampler_numerics(self, trainer):
-        """For the logprob check: a context manager yielding the model that computes *the way this capability's
-        sampler computes, from the learner's current weights* (the reference ρ of
-        :class:`trl_fp8.sync_checks.checks.LogprobBand`); None when the rollouts do not come from a sampler it owns."""
-        return None
+    def before_sync(self, trainer, step: int) -> None:
+        """Before every sync of the sampler (the trainer's in-process sync, or TRL's vLLM sync)."""
+
+    def after_sync(self, trainer, step: int, log) -> None:
+        """After every sync; ``log`` (:class:`trl_fp8.samplers.SyncLog`) holds what was streamed."""
 
     # -- batch and loss ------------------------------------------------------------------------------------------
     def adjust_rewards(self, trainer, rewards: torch.Tensor) -> torch.Tensor:

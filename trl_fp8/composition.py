@@ -1,6 +1,6 @@
 """Where capabilities meet, read from what each declares (:class:`trl_fp8.capability.Capability`): the set-up order
 (``after``), the settings and capabilities a run cannot combine (``conflicts``, ``excludes``), and which offer wins
-when two offer a serving stream or a generation model (``overrides``). Pure: no trainer state, no imports of any
+when two offer a sampler, a generation path or an engine call (``overrides``). Pure: no trainer state, no imports of any
 capability — a new capability declares its joins in its own class.
 """
 
@@ -21,6 +21,11 @@ def setup_order(capabilities) -> tuple:
             if name not in by_name:
                 raise ValueError(f"{cap.__name__} names {name!r}, which is not a capability "
                                  f"({', '.join(sorted(by_name))}).")
+    for cap in capabilities:
+        for name in cap.overrides:
+            if cap.name in by_name[name].overrides:
+                raise ValueError(f"{cap.__name__} and {by_name[name].__name__} override each other (`overrides`): "
+                                 "one offer must win; declare it on one of the two only.")
     ordered, placed, visiting = [], set(), []
 
     def place(cap) -> None:
@@ -66,20 +71,50 @@ def winner(offers: dict):
         return None
     beaten = {name for cap in offers for name in cap.overrides}
     left = [offer for cap, offer in offers.items() if cap.name not in beaten]
+    mutual = sorted(cap.name for cap in offers if any(cap.name in other.overrides and other.name in cap.overrides
+                                                      for other in offers))
+    if mutual:
+        raise RuntimeError(f"capabilities {mutual} override each other: one offer must win; declare `overrides` on "
+                           "one of them only.")
     if len(left) != 1:
         raise RuntimeError(f"capabilities {sorted(cap.name for cap in offers)} each offer the same thing and none "
                            "overrides the others: declare `overrides` on the one that wins.")
     return left[0]
 
 
-def serving(trainer):
-    """What the sampler is sent instead of TRL's stream (:class:`~trl_fp8.capability.Serving`), or None."""
-    return winner({type(c): c.serving(trainer) for c in trainer.capabilities.values()})
+def sampler_offer(trainer):
+    """The sampler offer that wins (:class:`~trl_fp8.capability.SamplerOffer`, ``owner`` set), or None: TRL's own
+    sampler and stream. Resolved once by the trainer, after every capability set up."""
+    offers = {}
+    for capability in trainer.capabilities.values():
+        offer = capability.offer(trainer)
+        if offer is not None:
+            offer.owner = capability.name
+            offers[type(capability)] = offer
+    return winner(offers)
 
 
-def generation_model(trainer):
-    """The in-process model to generate with instead of the learner, or None."""
-    return winner({type(c): c.generation_model(trainer) for c in trainer.capabilities.values()})
+def check_offers(trainer) -> None:
+    """Every offer resolved once at set-up, so that two undeclared offers fail when the trainer is built, not at the
+    first generation: the generation path and the vLLM engine call (the sampler offer is resolved then anyway), as
+    they are offered in training."""
+    with _training(trainer):
+        generation_path(trainer)
+        vllm_generate(trainer)
+
+
+@contextlib.contextmanager
+def _training(trainer):
+    """The model in training mode for the block (offers made only while training are asked at set-up)."""
+    model = getattr(trainer, "model", None)
+    was = getattr(model, "training", True)
+    if model is not None and not was:
+        model.train()
+    try:
+        yield
+    finally:
+        if model is not None and not was:
+            model.eval()
 
 
 def generation_path(trainer):
@@ -101,3 +136,48 @@ def engine_contexts(capabilities, args):
             if context is not None:
                 stack.enter_context(context)
         yield
+
+
+def describe(trainer) -> list[str]:
+    """The resolved composition of a run, as the trainer logs it at start: the capabilities in set-up order, whose
+    sampler offer won and what it generates with and is sent, who observes every sync, and who answers the
+    generation call. Read from the declarations and the resolved offer, like the README's support table."""
+    caps = list(trainer.capabilities.values())
+    if not caps:
+        return ["trl_fp8: no capability on; TRL's trainer as it is."]
+    offer = trainer.serving()
+    use_vllm = bool(getattr(trainer, "use_vllm", False))
+    engine = "TRL's vLLM engine" if use_vllm else "the learner itself (in-process)"
+    if offer is None:
+        sampler = f"TRL's own: {engine}, sent TRL's stream" if use_vllm else f"TRL's own: {engine}"
+    else:
+        sent = "TRL's stream" if offer.stream is None else \
+            f"its stream in {str(offer.dtype).removeprefix('torch.')}"
+        kind = getattr(offer.sampler, "kind", None)
+        who = f"{kind}" if kind else engine
+        gen = "its model (synced before each generation)" if offer.model is not None else \
+            ("the engine" if use_vllm else "the learner")
+        sampler = f"{offer.owner}'s offer: {who}, sent {sent}; generates: {gen}"
+    observers = [c.name for c in caps if type(c).before_sync is not _base_hook("before_sync")]
+    with _training(trainer):
+        path = _offerer(caps, "generation_path", trainer)
+        call = _offerer(caps, "vllm_generate", trainer) if use_vllm else None
+    lines = [f"trl_fp8: capabilities in set-up order: {' -> '.join(c.name for c in caps)}",
+             f"trl_fp8: sampler: {sampler}",
+             f"trl_fp8: observers of every sync: {', '.join(observers) or 'none'}"]
+    if use_vllm:
+        lines.append(f"trl_fp8: vLLM engine call: {call or 'TRL'}")
+    else:
+        lines.append(f"trl_fp8: in-process generation path: {path or 'TRL'}")
+    return lines
+
+
+def _base_hook(name):
+    from .capability import Capability
+
+    return getattr(Capability, name)
+
+
+def _offerer(caps, hook: str, trainer) -> str | None:
+    offers = {type(c): (c.name if getattr(c, hook)(trainer) is not None else None) for c in caps}
+    return winner(offers)

@@ -49,11 +49,17 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
         # sets bf16/fp16 before TRL (unset bf16 -> True) and transformers read them
         resolve_precision(self, CAPABILITIES)
         super().__post_init__()
+        self.validate_trl_fp8()
+
+    def validate_trl_fp8(self) -> None:
+        """Every trl_fp8 check of the fields, their combinations and the process layout: run when the config is built
+        and again when a :class:`trl_fp8.GRPOTrainer` is (a field set after construction — ``args.fair_cast = ...``
+        in a notebook — is checked too). ``ValueError`` naming the field(s) and what is allowed."""
         self._validate_metrics_jsonl()
         serving.validate(self)
         for capability in CAPABILITIES:
             capability.validate(self)
-        check_conflicts(CAPABILITIES, self)  # declared per capability, checked once
+        check_conflicts(CAPABILITIES, self)  # declared per capability
         self._admit_engine()
 
     def _admit_engine(self) -> None:

@@ -6,6 +6,7 @@ MXFP8 and fast QLoRA change the policy's layers before Fair Cast copies it into 
 observe the samplers the others set up and compare logprobs on the batches DUET adjusted. Otherwise the order below.
 """
 
+from .capability import register
 from .composition import setup_order
 from .distributed import Engine, refusal
 from .duet.component import Duet
@@ -16,6 +17,7 @@ from .sync_checks.component import SyncChecks
 from .time_budget.component import TimeBudget
 
 CAPABILITIES = setup_order((MXFP8, FastQLoRA, FairCast, Duet, SyncChecks, TimeBudget))
+register(CAPABILITIES)
 
 
 def support_table(capabilities=CAPABILITIES) -> list[tuple[str, dict[str, str]]]:

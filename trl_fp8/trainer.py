@@ -2,10 +2,11 @@
 
 The trainer is the composer only: it holds the ordered list of the capabilities a run asks for
 (:data:`trl_fp8.registry.CAPABILITIES`) and calls their hooks (:class:`trl_fp8.capability.Capability`) at
-fixed points of TRL's step. Where capabilities must compose, the order is written here, once: Fair Cast's twin is
-the model generation runs with (synced, with the checks observing the sync), DUET replaces the in-process
-generation path (with vLLM: the engine call of TRL's path, after TRL's own sync), the checks record the sampler's
-logprobs on the way. Every TRL-private name it touches goes through :mod:`trl_fp8._trl`. With every trl_fp8 field
+fixed points of TRL's step. Who generates and what the sampler is sent is one declared offer
+(:class:`~trl_fp8.capability.SamplerOffer`), resolved once after set-up and installed here; every sync of it (the
+in-process twin's, here; TRL's vLLM sync, wrapped once) is observed by every capability (the weight-sync checks).
+A capability may replace the in-process generation path or the vLLM engine call (DUET), and record the sampler's
+logprobs on the way (the checks). Every TRL-private name it touches goes through :mod:`trl_fp8._trl`. With every trl_fp8 field
 of :class:`trl_fp8.GRPOConfig` at its default the list is empty and training is TRL's, step for step
 (``tests/test_trainer.py`` proves it bit for bit on CPU).
 """
@@ -13,15 +14,19 @@ of :class:`trl_fp8.GRPOConfig` at its default the list is empty and training is 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from . import _trl, checkpoints, composition, distributed, models, trackers
 from .registry import CAPABILITIES
-from .capability import GENERATION_PATH_HONOURS, Capability, Serving, StopNow
+from .capability import GENERATION_PATH_HONOURS, Capability, SamplerOffer, StopNow
 from .config import GRPOConfig
 from .metrics import MetricsJsonlCallback
+from .samplers import SyncLog
+
+logger = logging.getLogger("trl_fp8")
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -36,8 +41,13 @@ class GRPOTrainer(_TRLGRPOTrainer):
     _loss_inputs = None
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *pargs, **kwargs):
+        if isinstance(args, GRPOConfig):
+            args.validate_trl_fp8()  # again: a field set after the config was built skipped its checks
         model = models.resolve_model(model)  # e.g. "trl-fp8:smollm2" -> its converted folder
-        with _trl.engine_context(args, CAPABILITIES):
+        lora = None
+        if args is not None and any(cls.wanted(args) and cls.engine_lora(args) for cls in CAPABILITIES):
+            lora = _trl.lora_spec(model, _trl.peft_config_argument(pargs, kwargs))  # the engine serves adapters
+        with _trl.engine_context(args, CAPABILITIES, lora=lora):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         trackers.attach(self)  # W&B / trackio: a resumed session continues the same run
         self.capabilities = {}
@@ -48,6 +58,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 self.capabilities[cls.name] = capability  # visible to those set up after it
                 if capability.setup(self) is False:
                     del self.capabilities[cls.name]
+        self._install_sampler()
         metrics_jsonl = getattr(self.args, "metrics_jsonl", None)
         if metrics_jsonl:
             self.add_callback(MetricsJsonlCallback(metrics_jsonl))
@@ -64,15 +75,73 @@ class GRPOTrainer(_TRLGRPOTrainer):
             out.update(capability.describe(model))
         return out
 
-    def serving(self) -> Serving | None:
-        """What the sampler is sent instead of TRL's stream (e.g. Fair Cast's served copy, or fast QLoRA's dense
-        ``dequant(W) + ΔW`` to a vLLM engine), as the capabilities declare it; None: TRL's own stream."""
-        return composition.serving(self)
+    # -- the sampler: one offer, resolved and installed once; every sync observed -------------------------------
+    def _install_sampler(self) -> None:
+        """Resolve the capabilities' sampler offers once (:func:`trl_fp8.composition.sampler_offer`), install the
+        winner (its ``install``: e.g. Fair Cast's stream into TRL's vLLM sync, or LoRA versions pushed to the
+        engine), tell every capability (``sampler_ready``: e.g. the checks build both sides of the comparison), and
+        put the capabilities around TRL's vLLM sync as observers (``before_sync`` / ``after_sync``)."""
+        self._sampler_offer = None
+        if not self.capabilities:
+            return
+        composition.check_offers(self)  # two undeclared offers fail here, not at the first generation
+        offer = composition.sampler_offer(self)
+        if offer is not None and offer.install is not None:
+            installed = offer.install(self)
+            if installed is not None:
+                offer.sampler = installed
+        self._sampler_offer = offer
+        for name, capability in list(self.capabilities.items()):
+            if capability.sampler_ready(self, offer) is False:
+                del self.capabilities[name]
+        if self.use_vllm and self.capabilities:
+            _trl.wrap_vllm_sync(self.vllm_generation, self._observed_vllm_sync)
+        if self.accelerator.is_main_process:
+            for line in composition.describe(self):
+                logger.info(line)
+
+    def serving(self) -> SamplerOffer | None:
+        """The sampler offer that won (e.g. Fair Cast's served copy and twin, fast QLoRA's rollout cache or dense
+        ``dequant(W) + ΔW`` stream, LoRA versions pushed to vLLM), as resolved at set-up; None: TRL's own sampler and
+        stream."""
+        return getattr(self, "_sampler_offer", None)
+
+    def _observed_vllm_sync(self, run) -> None:
+        """TRL's vLLM sync (whatever stream the offer installed), with every capability observing it."""
+        step = int(self.state.global_step)
+        for capability in list(self.capabilities.values()):
+            capability.before_sync(self, step)
+        log = SyncLog()
+        run(log.tap)
+        for capability in list(self.capabilities.values()):
+            capability.after_sync(self, step, log)
+
+    def _sync_sampler(self) -> None:
+        """Bring an in-process sampler that a sync feeds (e.g. Fair Cast's twin) to the current export, once per
+        learner step, with every capability observing the sync."""
+        offer = self.serving()
+        sampler = None if offer is None else offer.sampler
+        if sampler is None or self.use_vllm or not getattr(sampler, "synced", False) or offer.stream is None:
+            return
+        step = int(self.state.global_step)
+        if sampler.version() == step:
+            return
+        for capability in list(self.capabilities.values()):
+            capability.before_sync(self, step)
+        log = SyncLog()
+        sampler.load(log.tap(offer.stream()))
+        sampler.set_version(step)
+        for capability in list(self.capabilities.values()):
+            capability.after_sync(self, step, log)
 
     def _generation_model(self):
-        """The in-process model to generate with instead of the learner (e.g. Fair Cast's twin, synced to the current
-        export), as the capabilities declare it; None when the learner generates itself."""
-        return composition.generation_model(self)
+        """The in-process model to generate with instead of the learner (e.g. Fair Cast's twin), synced to the current
+        export first; None when the learner generates itself."""
+        offer = self.serving()
+        if offer is None or offer.model is None:
+            return None
+        self._sync_sampler()
+        return offer.model
 
     # Mirrors trl 1.16 GRPOTrainer._generate_single_turn: vLLM and continuous batching are TRL's paths (Fair Cast's
     # stream and the checks are wired into TRL's sync; a capability may answer TRL's vLLM engine call, e.g. DUET's

@@ -109,16 +109,20 @@ def test_dense_engine_drops_only_trls_bitsandbytes_quantization(monkeypatch):
     calls = []
     monkeypatch.setattr(trl_vllm, "LLM", lambda *a, **kw: calls.append(kw), raising=False)
     monkeypatch.setattr(_trl.vllm_engine, "vllm_platform_is_cpu", lambda: False)
-    colocate = SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="on")
+    colocate = SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="on", lora_serving="merged")
     with _trl.engine_context(colocate, CAPABILITIES):
         trl_vllm.LLM(model="m", quantization="bitsandbytes")
         trl_vllm.LLM(model="m", quantization="fp8")  # not TRL's 4-bit request: left alone
+    adapters = SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="on", lora_serving="auto")
+    with _trl.engine_context(adapters, CAPABILITIES):  # base + adapters: the engine keeps its own 4-bit base
+        trl_vllm.LLM(model="m", quantization="bitsandbytes")
     with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="off"), CAPABILITIES):
         trl_vllm.LLM(model="m", quantization="bitsandbytes")  # TRL's QLoRA path as it is
     with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="server", fast_qlora="on"), CAPABILITIES):
         trl_vllm.LLM(model="m", quantization="bitsandbytes")  # server mode builds no engine here
     trl_vllm.LLM(model="m", quantization="bitsandbytes")  # outside the context
-    assert [c["quantization"] for c in calls] == [None, "fp8", "bitsandbytes", "bitsandbytes", "bitsandbytes"]
+    assert [c["quantization"] for c in calls] == [None, "fp8", "bitsandbytes", "bitsandbytes", "bitsandbytes",
+                                                  "bitsandbytes"]
 
 
 def test_export_stream_dequantizes_4bit_linears_without_adapters(tiny_model_dir):

@@ -208,7 +208,8 @@ def test_fast_qlora_serves_dequant_plus_delta_to_a_16bit_engine(tmp_path, demo_d
     import trl_fp8
 
     before = _checkpoint_packed(demo_dir)
-    trainer = _trainer(tmp_path, demo_dir, target_modules=target_modules, keep_budget=keep_budget)
+    trainer = _trainer(tmp_path, demo_dir, target_modules=target_modules, keep_budget=keep_budget,
+                       lora_serving="merged")
     qlora = trainer.capability("fast_qlora")
     assert qlora is not None and qlora.vllm_export is not None and trainer.capability("fair_cast") is None
     dtype = qlora.vllm_export.dtype()
@@ -259,8 +260,9 @@ def test_fair_cast_over_a_4bit_base_serves_a_16bit_engine(tmp_path, demo_dir, ke
     with warnings.catch_warnings():
         warnings.simplefilter("error", trl_fp8.WeightSyncWarning)
         trainer.train()
-    # quant_parity: the engine is sent the served tensors themselves (no quantizer between): not applicable
-    _assert_checks_all_passed(trainer, not_applicable=("quant_parity",))
+    # quant_parity: the engine against the learner's own parameters where one holds the served value (embeddings,
+    # norms); a merged LoRA layer's W + ΔW is held by no parameter: freshness compares it with the stream
+    _assert_checks_all_passed(trainer)
     assert len(served) == STEPS and _weight_version(trainer) == str(STEPS - 1)
     assert not qlora.edits.kept
     _assert_same_bytes(before, _packed(policy))

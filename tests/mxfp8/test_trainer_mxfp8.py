@@ -97,7 +97,8 @@ def test_lora_on_an_mxfp8_base(tmp_path, demo_dir):
     assert all(layer_recipe(m.lora_A["default"]) is None for m in layers)  # adapters stay in high precision
     trainer.train()
     assert any(torch.count_nonzero(m.lora_B["default"].weight) for m in layers)
-    with pytest.raises(ValueError, match="mxfp8=True with Fair Cast and a PEFT"):
+    with pytest.raises(ValueError, match=r"fair_cast with a PEFT \(LoRA\) model whose layers another capability "
+                                         r"quantizes \(e.g. mxfp8=True\)"):
         _trainer(tmp_path, demo_dir, peft_config=lora)
 
 

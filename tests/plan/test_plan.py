@@ -82,8 +82,16 @@ def test_checkpointing_and_chunked_logits_are_what_make_activations_small():
 def test_vllm_colocate_and_the_server_on_a_second_t4():
     colocate = memory_plan("qwen2.5-7b", FREE_TIER, peft=16, quantization="nf4", vllm="colocate")
     assert not colocate.fits and any("cannot start" in p for p in colocate.problems)
-    assert "--device 2xt4 --vllm server" in colocate.suggestion
-    server = memory_plan("qwen2.5-7b", FREE_TIER, peft=16, quantization="nf4", vllm="server", device="2xt4")
+    assert "--vllm off" in colocate.suggestion  # 7B QLoRA in-process fits one T4 (the server recipe does not)
+    # A `vllm serve` server is sent merged weights (it loads LoRA only from its own disk): Fair Cast then holds a
+    # dense served copy and the checks a dense reference of the stream — the free-tier recipe does not fit 2×T4
+    full = memory_plan("qwen2.5-7b", FREE_TIER, peft=16, quantization="nf4", vllm="server", device="2xt4")
+    assert full.spec.lora_serving == "merged" and not full.fits and "--vllm off" in full.suggestion
+    with pytest.raises(ValueError, match="lora_serving='adapters' with vllm='server'"):
+        memory_plan("qwen2.5-7b", {**FREE_TIER, "lora_serving": "adapters"}, peft=16, quantization="nf4",
+                    vllm="server", device="2xt4")
+    server = memory_plan("qwen2.5-7b", {**FREE_TIER, "fair_cast": "off", "sync_checks": "off"}, peft=16,
+                         quantization="nf4", vllm="server", device="2xt4")
     assert server.fits and set(server.totals) == {0, 1}
     engine = next(r for r in server.rows if r.owner == "engine")
     assert engine.gpu == 1 and engine.bytes == int(0.9 * resolve_device("2xt4").usable)

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import trl
 
 import trl_fp8
 from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
@@ -44,14 +45,33 @@ def test_clean_run_of_20_steps_with_all_checks_raises_nothing(tmp_path, demo_dir
             if not key.startswith(("sync/logp_", "sync/is_ratio_")):
                 assert value == 1.0, (key, record)
                 seen.add(key)
-    # cache_hygiene does not apply in-process (generate() keeps no cache across calls); quant_parity has nothing to
-    # compare without a quantizer (the served tensors are the very tensors freshness compared): not counted as a pass
-    expected = {f"sync/{c}" for c in trl_fp8.sync_checks.CHECKS} - {"sync/cache_hygiene", "sync/quant_parity"}
+    # cache_hygiene does not apply in-process (generate() keeps no cache across calls); quant_parity compares the
+    # twin with the learner's own parameters (which hold the served values), not with the stream freshness compared
+    expected = {f"sync/{c}" for c in trl_fp8.sync_checks.CHECKS} - {"sync/cache_hygiene"}
     assert seen == expected
     assert all(0 <= r["sync/logp_gap_mean"] < 0.05 for r in records)
     monitor = trainer.capability("sync_checks").monitor
-    assert monitor.failures == [] and set(monitor.not_applicable) == {"quant_parity"}
-    assert monitor.compared["freshness"] == 20 and monitor.compared["logprob_agreement"] == 20
+    assert monitor.failures == [] and monitor.not_applicable == {}
+    assert monitor.compared["freshness"] == monitor.compared["quant_parity"] == 20
+    assert monitor.compared["logprob_agreement"] == 20
+
+
+def test_quant_parity_catches_a_served_copy_the_learner_does_not_compute_with(tmp_path, demo_dir):
+    """The sampler is sent (and holds: freshness passes) a tensor one ulp off what the learner's parameter holds: the
+    loss would train a model the sampler does not serve."""
+    trainer = _trainer(tmp_path, demo_dir, sync_checks=["freshness", "quant_parity"])
+    offer = trainer.serving()
+    stream = offer.stream
+
+    def nudged():
+        for name, tensor in stream():
+            if name == TARGET:
+                tensor = tensor.clone()
+                tensor.view(torch.int16).view(-1)[5] += 1  # the next bf16 value of one element
+            yield name, tensor
+
+    offer.stream = nudged
+    _fails(trainer, "quant_parity", f"'{TARGET}' differs from the learner's quantizer output")
 
 
 def test_shared_sampler_has_nothing_to_check(tmp_path, demo_dir):
@@ -78,8 +98,9 @@ def test_recipe_parity_catches_a_layer_served_in_another_dtype(tmp_path, demo_di
 
 def test_coverage_catches_a_tensor_skipped_by_the_sync(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["coverage"])
-    stream = trainer.capability("fair_cast").export_stream
-    trainer.capability("fair_cast").export_stream = lambda: ((n, t) for n, t in stream() if n != TARGET)
+    offer = trainer.serving()  # the sampler offer the trainer installed: its stream is what every sync sends
+    stream = offer.stream
+    offer.stream = lambda: ((n, t) for n, t in stream() if n != TARGET)
     _fails(trainer, "coverage", f"not sent: {TARGET}", f"served but never written: {TARGET}")
 
 
@@ -113,7 +134,7 @@ def test_quant_parity_catches_masters_pushed_and_rounded_by_the_sampler(tmp_path
     # nearest. The sampler holds exactly what it was sent (freshness passes) but not the learner's export.
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["freshness", "quant_parity"])
     units = trainer.capability("fair_cast").served.units
-    trainer.capability("fair_cast").export_stream = lambda: ((n, u.master) for n, u in units.items())
+    trainer.serving().stream = lambda: ((n, u.master) for n, u in units.items())  # what every sync now sends
     message = _fails(trainer, "quant_parity", "differs from the learner's quantizer output")
     assert trainer.capability("sync_checks").monitor.compared["freshness"] == 1  # freshness passed
 
@@ -166,8 +187,9 @@ def test_differential_oracle_catches_a_non_idempotent_load(tmp_path, demo_dir):
 
 def test_warn_action_keeps_training_and_logs_zero(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["coverage"], sync_check_action="warn", max_steps=2)
-    stream = trainer.capability("fair_cast").export_stream
-    trainer.capability("fair_cast").export_stream = lambda: ((n, t) for n, t in stream() if n != TARGET)
+    offer = trainer.serving()  # the sampler offer the trainer installed: its stream is what every sync sends
+    stream = offer.stream
+    offer.stream = lambda: ((n, t) for n, t in stream() if n != TARGET)
     with pytest.warns(trl_fp8.WeightSyncWarning, match=f"not sent: {TARGET}"):
         trainer.train()
     assert [r["sync/coverage"] for r in _sync_records(trainer)] == [0.0, 0.0]
@@ -202,6 +224,23 @@ def test_beam_search_falls_back_to_re_scoring_and_still_compares(tmp_path, demo_
     rescore = checks._rescore
     checks._rescore = lambda *args: (rescored.append(1), rescore(*args))
     trainer.train()
-    assert checks.logits_processors(trainer) == []  # no tap with beams
+    with checks.generating(trainer):
+        assert checks._tap_handle is None  # no tap with beams
     assert len(rescored) == 2 and checks.monitor.compared["logprob_agreement"] == 2
     assert not checks.monitor.failures
+
+
+def test_the_tap_leaves_the_model_when_a_generation_is_cut(tmp_path, demo_dir, monkeypatch):
+    """The sampler's logprob tap is a forward hook on the generating model: a generation that ends early (a stop, an
+    error) must not leave it there."""
+    trainer = _trainer(tmp_path, demo_dir, max_steps=2)
+    twin = trainer.serving().model
+
+    def cut(*args, **kwargs):
+        assert twin._forward_hooks  # the tap is on while the generation runs
+        raise RuntimeError("generation cut")
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", cut)
+    with pytest.raises(RuntimeError, match="generation cut"):
+        trainer.train()
+    assert not twin._forward_hooks and trainer.capability("sync_checks")._tap_handle is None

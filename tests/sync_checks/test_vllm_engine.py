@@ -109,9 +109,9 @@ def test_clean_fair_cast_run_of_20_steps_with_all_checks(tmp_path, demo_dir):
             if key in record:
                 assert record[key] == 1.0, (key, record)
         assert record["sync/logp_gap_mean"] == pytest.approx(record["sampling/sampling_logp_difference/mean"])
-    # quant_parity: the engine is sent the served tensors themselves (no quantizer between): not applicable
-    every_step = {"sync/coverage", "sync/freshness", "sync/cache_hygiene", "sync/logprob_agreement"}
-    assert "sync/quant_parity" not in records[0]
+    # quant_parity: the engine against the learner's own parameters (which hold the served values), not the stream
+    every_step = {"sync/coverage", "sync/freshness", "sync/cache_hygiene", "sync/logprob_agreement",
+                  "sync/quant_parity"}
     assert all(every_step <= set(r) for r in records)
     assert {"sync/recipe_parity", "sync/differential_oracle"} <= set(records[0])
     assert "sync/differential_oracle" in records[10]  # the periodic reload (every 10 syncs)
@@ -139,7 +139,7 @@ def test_trl_sync_fails_on_packed_linears_without_plain_cpu_linears(tmp_path, de
     import trl_fp8._trl
 
     # Failure mode 1 of vLLM-CPU: linear weights packed into oneDNN handles, parameters deleted
-    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda args, capabilities=(): contextlib.nullcontext())
+    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda args, capabilities=(), lora=None: contextlib.nullcontext())
     trainer = _trainer(tmp_path, demo_dir, sync_checks="off", fair_cast="off", max_steps=1)
     with pytest.raises(AttributeError, match="weight_loader"):
         trainer.train()
@@ -156,7 +156,7 @@ def test_freshness_catches_the_stale_tied_lm_head_of_reload_weights(tmp_path, de
     import trl_fp8
     import trl_fp8._trl
 
-    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda args, capabilities=(): contextlib.nullcontext())
+    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda args, capabilities=(), lora=None: contextlib.nullcontext())
 
     def reload_sync(self):
         weights = [(n, t.detach().clone()) for n, t in self._iter_named_params()]

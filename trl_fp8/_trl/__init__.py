@@ -1,14 +1,16 @@
 """Every TRL-, transformers- and vLLM-private name trl_fp8 touches, in one place.
 
 Split by what it adapts — ``trainer`` (TRL's trainer internals), ``checkpoint`` (TRL's and transformers' checkpoint
-internals), ``vllm_engine`` (TRL's vLLM generation and the colocated engine), ``cli`` (TRL's command line) and
-``contract`` (what is pinned) — and re-exported here: callers use ``trl_fp8._trl.<name>``.
+internals), ``vllm_engine`` (TRL's vLLM generation and the colocated engine), ``vllm_lora`` (LoRA versions pushed
+to a colocated engine, imported on first use), ``cli`` (TRL's command line) and ``contract`` (what is pinned) — and re-exported here: callers use ``trl_fp8._trl.<name>``.
 
 Nothing else in trl_fp8 reaches into a private method, an undocumented attribute or a module global of TRL or
-vLLM: it calls a function here. One exception by design: :class:`trl_fp8.samplers.VLLMColocateSampler` is the
+vLLM: it calls a function here. Two exceptions by design: :class:`trl_fp8.samplers.VLLMColocateSampler` is the
 adapter of a vLLM engine's *layers* (``packed_modules_mapping``, ``output_sizes``, ``quant_method``,
-``input_size_per_partition``) and reads them itself; the real-engine tests (``tests/sync_checks/test_vllm_engine.py``)
-exercise every one of them. ``tests/test_trl_contract.py`` pins what this module relies on — the signatures of
+``input_size_per_partition``) and reads them itself, and :class:`trl_fp8.samplers.VLLMLoraSampler` reads the LoRA
+layers' stacked buffers (``lora_a_stacked`` / ``lora_b_stacked``) and the adapter manager's slots; the real-engine
+tests (``tests/sync_checks/test_vllm_engine.py``, ``tests/test_vllm_lora.py``) exercise every one of them.
+``tests/test_trl_contract.py`` pins what this module relies on — the signatures of
 the TRL methods trl_fp8 overrides or calls, the trainer attributes it reads, and a fingerprint (hash of the
 source) of each TRL code block whose *internals* it depends on — so a TRL upgrade fails with the list of what
 moved instead of a silent change. Tested with the TRL range in :data:`TESTED_TRL`.
@@ -48,6 +50,7 @@ from .trainer import (  # noqa: F401
     generating_with,
     repatch_fused_head,
     patch_fused_head,
+    peft_config_argument,
 )
 from .vllm_engine import (  # noqa: F401
     engine_sequence_logprobs,
@@ -79,7 +82,7 @@ from .vllm_engine import (  # noqa: F401
 # vllm_lora (the vLLM LoRA glue) is imported on first use: it needs vLLM internals only when used.
 _LAZY = {name: ".vllm_lora" for name in (
     "LoraEngineSpec", "VLLMLoraStream", "lora_engine", "lora_spec", "lora_manager", "engine_rank",
-    "fourbit_base_stream",
+    "fourbit_base_stream", "SERVER_REFUSAL", "SLEEP_REFUSAL",
 )}
 
 

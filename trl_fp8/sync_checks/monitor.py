@@ -44,9 +44,13 @@ class LearnerSide:
     """
 
     def __init__(self, exported: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-                 specs: dict[str, numerics.TensorSpec]):
+                 specs: dict[str, numerics.TensorSpec], computed: Callable[[str], torch.Tensor | None] | None = None):
+        """``computed(name)``: where the stream *is* the served tensor (Fair Cast's export), the value the learner's
+        loss computes with, read from its parameters instead (None for a name without one): the reference is then
+        that value through the spec's quantizer, an independent side for ``quant_parity``."""
         self.exported = exported
         self.specs = specs
+        self.computed = computed
         self._current: dict[str, torch.Tensor] = dict(exported())
         self.shapes = {n: tuple(t.shape) for n, t in self._current.items()}
 
@@ -54,7 +58,8 @@ class LearnerSide:
         self._current = dict(self.exported())
 
     def reference(self, name: str) -> torch.Tensor:
-        return numerics.quantize(self._current[name], self.specs[name])
+        value = self.computed(name) if self.computed is not None else None
+        return numerics.quantize(self._current[name] if value is None else value, self.specs[name])
 
 
 def supported_checks(sampler: Sampler) -> frozenset[str]:
