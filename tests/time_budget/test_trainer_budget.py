@@ -259,25 +259,51 @@ def _same(a, b, path=""):
     return [] if a == b else [path]
 
 
-def test_a_sigterm_stopped_checkpoint_holds_the_state_at_the_end_of_its_step(tmp_path, demo_dir, sigterm_guard):
-    """DUET + time budget, SIGTERM in the generation of step 3: the checkpoint-2 the stop writes holds DUET's state
+class SigtermInAnyGeneration:
+    """SIGTERM at the ``call``-th module forward while step ``step + 1`` runs (its generation: by the policy or by a
+    served twin)."""
+
+    def __init__(self, trainer, step=2, call=3):
+        self.trainer, self.step, self.call, self.calls, self.sent = trainer, step, call, 0, False
+        self.handle = __import__("torch").nn.modules.module.register_module_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if self.trainer.state.global_step == self.step and not self.sent:
+            self.calls += 1
+            if self.calls == self.call:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("settings, state_file", [
+    (dict(duet=True, duet_budget=0.5), "duet_state.pt"),
+    (dict(fair_cast="stochastic"), "fair_cast_state.pt"),
+], ids=["duet", "fair_cast"])
+def test_a_sigterm_stopped_checkpoint_holds_the_state_at_the_end_of_its_step(tmp_path, demo_dir, sigterm_guard,
+                                                                             settings, state_file):
+    """Time budget, SIGTERM in the generation of step 3: the checkpoint-2 the stop writes holds the capability's state
     and the RNG states as they were at the end of step 2 — those of a run that saved checkpoint-2 on its way — not as
     step 3's generation had moved them (DUET then counted the cut step's groups, and again when the resumed run redid
-    the step)."""
+    the step). Fair Cast's (model-sized) state moves only at the optimizer step: it is not copied at each step."""
     import torch
 
-    common = dict(time_budget="10h", duet=True, duet_budget=0.5, max_completion_length=16,
-                  lr_scheduler_type="constant")
+    common = dict(time_budget="10h", max_completion_length=16, lr_scheduler_type="constant", **settings)
     straight = _trainer(demo_dir, tmp_path / "straight", max_steps=2, save_strategy="steps", save_steps=2, **common)
     straight.train()
     cut = _trainer(demo_dir, tmp_path / "cut", max_steps=5, **common)
-    spy = SigtermInGeneration(cut)
-    output = cut.train()
-    spy.handle.remove()
+    spy = SigtermInAnyGeneration(cut)
+    try:
+        output = cut.train()
+    finally:
+        spy.handle.remove()
     assert spy.sent and output.metrics == {"stopped_in_step": 3}
+    copied = set(cut._step_boundary.states)
+    assert "fair_cast" not in copied and "time_budget" not in copied and ("duet" in copied) == ("duet" in settings)
     a, b = tmp_path / "straight" / "checkpoint-2", tmp_path / "cut" / "checkpoint-2"
     _assert_complete(str(b), 2)
-    for name in ("duet_state.pt", "rng_state.pth"):
+    states = sorted(n for n in os.listdir(a) if n.endswith("_state.pt") and n != "time_budget_state.pt")
+    assert state_file in states  # (with Fair Cast, the checks' counters too: sync_checks_state.pt)
+    for name in (*states, "rng_state.pth"):
         differ = _same(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False))
         assert differ == [], (name, differ[:5])
     from safetensors.torch import load_file

@@ -75,6 +75,9 @@ class FairCast(Capability):
     name = "fair_cast"
     Args = FairCastArgs
     state_file = "fair_cast_state.pt"
+    # its state (masters, served copy, residual, lag metric) moves only at the optimizer step, which a step stopped
+    # mid-way never reaches: saved as it is at the stop, not copied (model-sized) at every step boundary
+    state_at_stop = "current"
     resume_fields = ("fair_cast", "served_dtype", "lora_serving")
     engines = {
         "ddp": None,  # every replica exports the same bits: SR keyed by (seed, step, tensor), EF deterministic
