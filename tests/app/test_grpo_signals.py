@@ -46,7 +46,10 @@ def test_exit_status_75_is_documented_in_the_help(capsys):
     from trl_fp8.app.cli import main
 
     assert main(["--help"]) == 0
-    assert "75" in capsys.readouterr().out
+    assert "75 (EX_TEMPFAIL) stopped before max_steps" in capsys.readouterr().out
+    from trl_fp8.app.scripts.grpo import make_parser
+
+    assert f"{EXIT_RESUMABLE} (EX_TEMPFAIL) when its time budget" in make_parser().format_help().replace("\n", " ")
 
 
 @pytest.mark.slow
