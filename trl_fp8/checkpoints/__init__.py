@@ -12,9 +12,10 @@ rotation counts complete checkpoints only, never removes the one just written, a
 deleting it, so a kill during rotation never leaves a checkpoint that looks complete but is not.
 
 A kill at any moment therefore leaves either the previous checkpoints untouched plus a ``_tmp-*`` folder, or the new
-checkpoint complete. At the next :meth:`~trl_fp8.GRPOTrainer.train`, ``_tmp-*`` folders are removed — except a
+checkpoint complete. At the next :meth:`~trl_fp8.GRPOTrainer.train`, stale ``_tmp-*`` folders are removed — except a
 ``_tmp-checkpoint-N`` whose marker is complete while ``checkpoint-N`` is missing (killed between marker and rename):
-that one is renamed into place.
+that one is renamed into place. A staging folder another process is still writing (its owner file and heartbeat say
+so, see :mod:`~trl_fp8.checkpoints.staging`) is left alone.
 
 **Reading** (:func:`prepare_resume`, what :meth:`trl_fp8.GRPOTrainer.train` runs first).
 ``resume_from_checkpoint="auto"`` (also read from ``args.resume_from_checkpoint`` when ``train()`` gets no argument)
