@@ -36,8 +36,8 @@ The package, one idea a module: :mod:`~trl_fp8.checkpoints.layout` (the names in
 (completeness), :mod:`~trl_fp8.checkpoints.staging` (what interrupted saves leave, and which savers share storage),
 :mod:`~trl_fp8.checkpoints.settings` (the settings a resume must match), :mod:`~trl_fp8.checkpoints.resume` (resume
 policy), :mod:`~trl_fp8.checkpoints.save` and :mod:`~trl_fp8.checkpoints.load`, and
-:mod:`~trl_fp8.checkpoints.boundary` (the end of the last complete step, which a stop inside the next one saves). The names the rest of trl_fp8 uses
-are imported here: ``trl_fp8.checkpoints.<name>``.
+:mod:`~trl_fp8.checkpoints.boundary` (the end of the last complete step, which a stop inside the next one saves).
+The names the rest of trl_fp8 uses are imported here: ``trl_fp8.checkpoints.<name>``.
 """
 
 from __future__ import annotations
