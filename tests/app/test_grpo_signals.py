@@ -80,3 +80,28 @@ def test_a_run_its_time_budget_stopped_exits_75(tmp_path):
     log = _finish(proc, 600)
     assert proc.returncode == EXIT_RESUMABLE, log[-3000:]
     assert _checkpoints(out) == {"checkpoint-1": True}
+
+
+def test_the_launchers_report_becomes_the_exit_status(tmp_path, monkeypatch, capsys):
+    """One process: accelerate's CalledProcessError (killed by signal N -> 128 + N); several: torchrun's
+    ChildFailedError with the first failed rank's status (75 after a budget stop)."""
+    import subprocess
+
+    import accelerate.commands.launch as launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from trl_fp8.app.cli import main
+
+    def failing(error):
+        def launch_command(args):
+            raise error
+        return launch_command
+
+    argv = ["grpo", "--config", RECIPE, "--output_dir", str(tmp_path / "run")]
+    for error, status in ((subprocess.CalledProcessError(75, "python"), 75),
+                          (subprocess.CalledProcessError(-9, "python"), 137),
+                          (ChildFailedError("grpo", {0: ProcessFailure(0, 1, 75, str(tmp_path / "none.json"))}), 75),
+                          (ChildFailedError("grpo", {1: ProcessFailure(1, 2, 1, str(tmp_path / "none.json"))}), 1)):
+        monkeypatch.setattr(launch, "launch_command", failing(error))
+        assert main(argv) == status
+    assert "run the same command again" in capsys.readouterr().err
