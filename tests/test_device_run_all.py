@@ -17,7 +17,38 @@ from pathlib import Path
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECKS = {"mxfp8", "qlora", "many_processes", "smollm2"}
+CHECKS = {"mxfp8", "qlora", "many_processes", "smollm2", "memory"}
+MEMORY_SMOKE_SETUPS = {"tiny-full", "tiny-lora", "tiny-qlora"}
+
+
+def memory_records(out: Path) -> list[dict]:
+    """The memory check's JSON records, from its log (one line each) and from OUT/memory_check.jsonl (the same)."""
+    logged = [json.loads(line) for line in (out / "memory.log").read_text().splitlines()
+              if line.startswith('{"check": "memory"')]
+    written = [json.loads(line) for line in (out / "memory_check.jsonl").read_text().splitlines() if line.strip()]
+    assert logged == written, (logged, written)
+    return logged
+
+
+def assert_memory_smoke(out: Path) -> None:
+    """The memory check's smoke run: every set-up on the CPU, the plan's persistent rows equal to plan.measure's
+    categories, and no GPU figure made up (no held/peak bytes, and the log says why)."""
+    log = (out / "memory.log").read_text()
+    assert "CPU: torch.cuda.max_memory_allocated does not exist here" in log
+    records = memory_records(out)
+    assert {r["setup"] for r in records} == MEMORY_SMOKE_SETUPS, [r.get("error", r["setup"]) for r in records]
+    for r in records:
+        assert not r["cuda"] and r["judged"]["passed"], r
+        assert "peak" not in r["measured"] and "held" not in r["measured"] and "peak_ratio" not in r["judged"]
+        assert r["peak"].startswith("not measured: the CPU has no max_memory_allocated")
+        cells = r["judged"]["persistent_by_category"]
+        assert cells["base"]["measured"] > 0 and cells["optimizer"]["measured"] > 0
+        # on the CPU the persistent rows are counted exactly (tests/plan/test_held*.py), estimates aside
+        estimated = r["plan"]["held_estimated_rows"]
+        assert abs(sum(c["measured"] - c["plan"] for c in cells.values())) <= estimated, cells
+        assert r["rollout"]["completion_width_generated"] <= r["rollout"]["completion_length"]
+    last = "memory_check: 3/3 set-ups smoke (CPU): persistent rows within 15 % of plan.measure; no peak"
+    assert json.loads((out / "summary.json").read_text())["checks"]["memory"]["last_line"].startswith(last)
 
 
 def smollm2_result(out: Path) -> dict:
@@ -52,6 +83,8 @@ def assert_smoke_run(out: Path) -> dict:
     assert "fsdp2 |     stochastic |               True |         True" in many
     assert "FSDP2: fair_cast refused: fair_cast is not supported with FSDP2" in many
     assert summary["checks"]["many_processes"]["last_line"] == "many_processes_device_check: done"
+
+    assert_memory_smoke(out)
     return summary
 
 
@@ -82,3 +115,35 @@ def test_rehearsal_of_the_device_run_passed():
     assert versions["torch"] == "2.13.0+cpu", versions  # the local CPU build, never a CUDA one
     assert smollm2_result(out)["weights"] == "random"
     assert "weights: random: SmolLM2-135M's architecture" in (out / "smollm2.log").read_text()
+
+
+def test_memory_check_builds_the_1b_config_from_the_plan_table_and_judges_within_15_percent():
+    """The memory check's pure parts (no GPU, no trainer): its SmolLM2-1.7B config, built over a Llama template from
+    the plan's table, is the table's architecture; the verdict is |measured / plan - 1| <= 0.15, held and peak on
+    CUDA, the categorized persistent rows on the CPU."""
+    from transformers import LlamaConfig
+
+    spec = importlib.util.spec_from_file_location("memory_check", os.path.join(ROOT, "benchmarks", "gpu",
+                                                                              "memory_check.py"))
+    mc = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("memory_check", mc)  # dataclasses look their module up there
+    spec.loader.exec_module(sys.modules["memory_check"])
+    mc = sys.modules["memory_check"]
+    from trl_fp8.plan import MODELS, resolve_model
+
+    template = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                           num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
+    config = mc.arch_config(template, MODELS["smollm2-1.7b"])
+    assert mc.same_numbers(resolve_model(config), MODELS["smollm2-1.7b"])
+    assert not mc.same_numbers(resolve_model(template), MODELS["smollm2-1.7b"])
+    assert 1.6e9 < MODELS["smollm2-1.7b"].params < 1.8e9
+
+    planned = {"held": 1000, "allocated_peak": 2000, "persistent_by_category": {"base": 600, "optimizer": 400}}
+    cpu = {"by_category": {"base": 600, "optimizer": 400, "gradients": 0}}
+    assert mc.judge(planned, cpu, cuda=False)["passed"]
+    assert not mc.judge(planned, {"by_category": {"base": 600, "optimizer": 400, "fair_cast/twin": 200}},
+                        cuda=False)["passed"]  # a held tensor the plan misses counts
+    ok = mc.judge(planned, {**cpu, "held": 1150, "peak": 1700}, cuda=True)
+    assert ok["passed"] and ok["held_ratio"] == pytest.approx(1.15) and ok["peak_ratio"] == pytest.approx(0.85)
+    assert not mc.judge(planned, {**cpu, "held": 1151, "peak": 2000}, cuda=True)["passed"]
+    assert not mc.judge(planned, {**cpu, "held": 1000, "peak": 1699}, cuda=True)["passed"]

@@ -3,8 +3,9 @@
 #
 #   bash benchmarks/gpu/run_all.sh [--smoke] [--wheels DIR] [--site DIR] [--out DIR]
 #
-# Runs mxfp8_check.py, qlora_check.py, many_processes_check.py and smollm2_check.py (GRPO steps on SmolLM2-135M in
-# bf16 with Fair Cast and the weight-sync checks), each under its own time limit, logs each to OUT/<check>.log and
+# Runs mxfp8_check.py, qlora_check.py, many_processes_check.py, smollm2_check.py (GRPO steps on SmolLM2-135M in
+# bf16 with Fair Cast and the weight-sync checks) and memory_check.py (the memory plan against max_memory_allocated,
+# which also writes OUT/memory_check.jsonl), each under its own time limit, logs each to OUT/<check>.log and
 # writes OUT/summary.json: per check its exit status, seconds, whether its limit stopped it and its last line; the
 # versions it ran with (benchmarks/gpu/carry.py env) and the wheel install. --smoke runs each script's CPU smoke mode
 # (tiny sizes, what CI runs so the script cannot rot). Exit status 1 when any check failed.
@@ -15,7 +16,8 @@
 # (random weights: the real ones cannot travel). PYTHON (default python3, the image's) runs everything; OUT defaults
 # to $OUT when the environment sets it (the device tool does), else benchmarks/results/gpu. The whole run stays under
 # 8 minutes: checks run against one deadline (DEADLINE_S, 450 s after the start; --smoke: 1800), each under
-# min(its limit, time left), and one with under 20 s left is not started (summary: "skipped").
+# min(its limit, time left), and one with under 20 s left is not started (summary: "skipped"). Each check is told
+# its limit in CHECK_LIMIT_S (memory_check.py starts only the set-ups that fit in it).
 set -uo pipefail
 SMOKE=0
 OUT_DIR=${OUT:-benchmarks/results/gpu}
@@ -72,24 +74,27 @@ run() {  # name, time limit (s), script, args...
     return
   fi
   [ "$limit" -le "$left" ] || limit=$left
-  timeout -k 10 "$limit" "$PY" "$HERE/$script" "$@" >"$OUT_DIR/$name.log" 2>&1
+  CHECK_LIMIT_S=$limit timeout -k 10 "$limit" "$PY" "$HERE/$script" "$@" >"$OUT_DIR/$name.log" 2>&1
   rc=$?
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$limit" >>"$STATUS"
   echo "$name: exit $rc" >&2
 }
-# One line per check: name, time limit (s), script, arguments. The four device limits add up to 6.5 minutes, which
-# leaves one more check of about a minute room under the 8 (with the install).
+# One line per check: name, time limit (s), script, arguments. The first four device limits add up to 6.5 minutes;
+# the memory check comes last with up to 90 s of what the 450 s deadline leaves (at least 20 s, else it is skipped),
+# and runs as many of its set-ups as fit in the limit it is given.
 if [ "$SMOKE" = 1 ]; then
   run mxfp8 300 mxfp8_check.py --device cpu --quick
   run qlora 300 qlora_check.py --device cpu --quick
   # two processes on a small CPU machine: one thread each (two torch workloads must not oversubscribe the cores)
   OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 run many_processes 300 many_processes_check.py --device cpu --quick
   run smollm2 300 smollm2_check.py --device cpu --quick "${ARCH_ARGS[@]}"
+  run memory 300 memory_check.py --device cpu --quick --out "$OUT_DIR" "${ARCH_ARGS[@]}"
 else
   run mxfp8 90 mxfp8_check.py
   run qlora 110 qlora_check.py --steps 2
   run many_processes 80 many_processes_check.py
   run smollm2 110 smollm2_check.py "${ARCH_ARGS[@]}"
+  run memory 90 memory_check.py --out "$OUT_DIR" "${ARCH_ARGS[@]}"
 fi
 "$PY" "$HERE/carry.py" env >"$STATUS.env" 2>&1 || true
 "$PY" - "$OUT_DIR" "$SMOKE" "$STATUS" "$install_rc" "$install_s" "$INSTALL_LOG" "$WHEELS" "$START" <<'PY'
