@@ -22,7 +22,7 @@ them; every hook has a do-nothing default, so a capability implements only what 
   ``resume_fields``: the config fields that shape its state, which a resume must match (see
   :mod:`trl_fp8.checkpoints`);
 - metrics: recorded with :func:`trl_fp8._trl.record_metric` into TRL's own per-mode metrics;
-- many processes: ``engines`` (per engine, None: supported, or why it is refused) and ``off_hint`` (the setting that
+- many processes: ``layouts`` (per process layout, None: supported, or why it is refused) and ``off_hint`` (the setting that
   turns it off), applied at config time and at trainer start by :func:`trl_fp8.distributed.admit`.
 
 Where capabilities meet is declared data, read in one place (:mod:`trl_fp8.composition`), not code in the trainer:
@@ -152,8 +152,8 @@ class Capability:
     state_required: bool = True  # False: resuming from a checkpoint without state_file starts it afresh
     resume_fields: tuple[str, ...] = ()  # config fields a resumed run must share with the checkpoint
     # Many processes: "ddp" / "deepspeed" / "fsdp" -> None (supported) or why it is refused (a dict per ZeRO stage /
-    # FSDP version where they differ); an engine left out is refused. One process is always supported.
-    engines: dict = {}
+    # FSDP version where they differ); a layout left out is refused. One process is always supported.
+    layouts: dict = {}
     off_hint: str = ""  # the setting that turns the capability off, for refusals (e.g. "fair_cast='off'")
     soft_default = None  # (args) -> truthy when on by default and not asked for: refused, it says so and stays off
     # Composition (see the module docstring): read by trl_fp8.composition, never by the trainer directly.

@@ -60,19 +60,19 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
         for capability in CAPABILITIES:
             capability.validate(self)
         check_conflicts(CAPABILITIES, self)  # declared per capability
-        self._admit_engine()
+        self._admit_layout()
 
-    def _admit_engine(self) -> None:
-        """Refuse, at config time, a capability asked for under an engine it does not support: DeepSpeed/FSDP from
+    def _admit_layout(self) -> None:
+        """Refuse, at config time, a capability asked for under a process layout it does not support: DeepSpeed/FSDP from
         ``args`` *or* from an accelerate config (the environment ``accelerate launch`` sets); checked again at
         trainer start (:func:`trl_fp8.distributed.admit`). A capability on by default is left to the trainer."""
         from .distributed import admit, detect_config
 
-        engine = detect_config(self)
+        layout = detect_config(self)
         for capability in CAPABILITIES:
             soft = capability.soft_default is not None and capability.soft_default(self)
             if capability.wanted(self) and not soft:
-                admit(capability, self, engine)
+                admit(capability, self, layout)
 
     def _validate_metrics_jsonl(self) -> None:
         if self.metrics_jsonl is None:

@@ -1,7 +1,7 @@
-"""Many processes: which engine a run uses, what each capability supports under it, and the few collectives the
+"""Many processes: which process layout a run uses, what each capability supports under it, and the few collectives the
 capabilities share.
 
-**Engines.** A run is on one process, on DDP (``torchrun`` / ``accelerate launch --multi_gpu``: every rank holds the
+**Layouts.** A run is on one process, on DDP (``torchrun`` / ``accelerate launch --multi_gpu``: every rank holds the
 whole model), on DeepSpeed ZeRO-1/2/3 or on FSDP (1 or 2). DeepSpeed and FSDP may be asked for in three places, and
 each one counts: the trainer's arguments (``args.deepspeed``, ``args.fsdp``), an accelerate config
 (``accelerate launch --config_file zero2.yaml``, ``trl-fp8 grpo --accelerate_config zero2``: it reaches the script
@@ -11,9 +11,9 @@ only as ``ACCELERATE_USE_DEEPSPEED`` / ``ACCELERATE_DEEPSPEED_ZERO_STAGE`` / ``A
 view at trainer start. Where a request and the trainer disagree (accelerate drops FSDP on a CPU-only machine) the
 request wins: a guard never lets a capability run in a mode nobody tested because one place forgot to say it.
 
-**Support.** Each capability declares ``engines``: for ``"ddp"``, ``"deepspeed"`` and ``"fsdp"``, ``None``
+**Support.** Each capability declares ``layouts``: for ``"ddp"``, ``"deepspeed"`` and ``"fsdp"``, ``None``
 (supported) or the reason it is refused. :func:`admit` applies it at config time and at trainer start: a refused
-capability raises a ``ValueError`` naming the capability, the engine, where the engine was asked for and how to turn
+capability raises a ``ValueError`` naming the capability, the layout, where the layout was asked for and how to turn
 the capability off — except one that is on by default and was not asked for (``soft_default``, the weight-sync
 checks), which says so in one warning line and stays off. :func:`trl_fp8.registry.support_table` is the README's table.
 
@@ -32,12 +32,12 @@ import torch
 
 logger = logging.getLogger("trl_fp8.distributed")
 
-ENGINE_KINDS = ("ddp", "deepspeed", "fsdp")  # one process is always supported
+LAYOUT_KINDS = ("ddp", "deepspeed", "fsdp")  # one process is always supported
 _TRUE = ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
-class Engine:
+class Layout:
     """How a run spreads over processes. ``kind``: ``"single"``, ``"ddp"``, ``"deepspeed"`` or ``"fsdp"``."""
 
     kind: str = "single"
@@ -82,32 +82,32 @@ def _deepspeed_stage(args) -> int | None:
     return _int_or_none(getattr(plugin, "zero_stage", None))
 
 
-def detect_config(args, environ=None) -> Engine:
-    """The engine a configuration asks for: ``args.deepspeed`` / ``args.fsdp``, the DeepSpeed plugin transformers
+def detect_config(args, environ=None) -> Layout:
+    """The layout a configuration asks for: ``args.deepspeed`` / ``args.fsdp``, the DeepSpeed plugin transformers
     builds from the environment, and accelerate's environment variables (set by ``accelerate launch`` from its
     config file). ``WORLD_SIZE`` > 1 without either is DDP."""
     environ = os.environ if environ is None else environ
     processes = max(1, _int_or_none(environ.get("WORLD_SIZE")) or 1)
     if getattr(args, "deepspeed", None):
-        return Engine("deepspeed", processes, _deepspeed_stage(args), source="args.deepspeed")
+        return Layout("deepspeed", processes, _deepspeed_stage(args), source="args.deepspeed")
     if _env_true(environ, "ACCELERATE_USE_DEEPSPEED") or getattr(args, "deepspeed_plugin", None) is not None:
         stage = _int_or_none(environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")) or _deepspeed_stage(args)
-        return Engine("deepspeed", processes, stage,
+        return Layout("deepspeed", processes, stage,
                       source="an accelerate config (ACCELERATE_USE_DEEPSPEED in the environment)")
     if getattr(args, "fsdp", None):
         version = _int_or_none((getattr(args, "fsdp_config", None) or {}).get("version")) or 1
-        return Engine("fsdp", processes, fsdp_version=version, source="args.fsdp")
+        return Layout("fsdp", processes, fsdp_version=version, source="args.fsdp")
     if _env_true(environ, "ACCELERATE_USE_FSDP"):
         version = _int_or_none(environ.get("FSDP_VERSION")) or 1
-        return Engine("fsdp", processes, fsdp_version=version,
+        return Layout("fsdp", processes, fsdp_version=version,
                       source="an accelerate config (ACCELERATE_USE_FSDP in the environment)")
     if processes > 1:
-        return Engine("ddp", processes, source=f"WORLD_SIZE={processes} (torchrun / accelerate launch)")
-    return Engine("single", 1)
+        return Layout("ddp", processes, source=f"WORLD_SIZE={processes} (torchrun / accelerate launch)")
+    return Layout("single", 1)
 
 
-def detect(trainer) -> Engine:
-    """The engine at trainer start: the trainer's own view (``is_deepspeed_enabled``, ``is_fsdp_enabled``, its
+def detect(trainer) -> Layout:
+    """The layout at trainer start: the trainer's own view (``is_deepspeed_enabled``, ``is_fsdp_enabled``, its
     accelerator's process count), with any request of the configuration or environment the trainer did not act on."""
     accelerator = trainer.accelerator
     processes = int(getattr(accelerator, "num_processes", 1) or 1)
@@ -115,52 +115,52 @@ def detect(trainer) -> Engine:
     state = getattr(accelerator, "state", None)
     if getattr(trainer, "is_deepspeed_enabled", False):
         stage = _int_or_none(getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", None))
-        return Engine("deepspeed", processes, stage if stage is not None else requested.zero_stage,
+        return Layout("deepspeed", processes, stage if stage is not None else requested.zero_stage,
                       source=requested.source if requested.kind == "deepspeed" else
                       "the trainer (is_deepspeed_enabled)")
     if getattr(trainer, "is_fsdp_enabled", False):
         version = _int_or_none(getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None))
-        return Engine("fsdp", processes, fsdp_version=version or requested.fsdp_version,
+        return Layout("fsdp", processes, fsdp_version=version or requested.fsdp_version,
                       source=requested.source if requested.kind == "fsdp" else "the trainer (is_fsdp_enabled)")
     if requested.sharded:  # asked for, but this trainer did not turn it on (e.g. FSDP on a CPU-only machine)
-        return Engine(requested.kind, processes, requested.zero_stage, requested.fsdp_version,
+        return Layout(requested.kind, processes, requested.zero_stage, requested.fsdp_version,
                       source=requested.source + ", not active in this trainer")
     if processes > 1:
-        return Engine("ddp", processes, source="the trainer's accelerator")
-    return Engine("single", 1)
+        return Layout("ddp", processes, source="the trainer's accelerator")
+    return Layout("single", 1)
 
 
 # -- support ----------------------------------------------------------------------------------------------------
-def refusal(capability, engine: Engine) -> str | None:
-    """Why ``capability`` (a class) does not run under ``engine``; None: it does."""
-    if engine.kind == "single":
+def refusal(capability, layout: Layout) -> str | None:
+    """Why ``capability`` (a class) does not run under ``layout``; None: it does."""
+    if layout.kind == "single":
         return None
-    engines = getattr(capability, "engines", {}) or {}
-    if engine.kind not in engines:
+    layouts = getattr(capability, "layouts", {}) or {}
+    if layout.kind not in layouts:
         return "it has not been made to run with many processes"
-    reason = engines[engine.kind]
+    reason = layouts[layout.kind]
     if isinstance(reason, dict):  # per ZeRO stage / FSDP version: {stage: reason or None}
-        key = engine.zero_stage if engine.kind == "deepspeed" else engine.fsdp_version
+        key = layout.zero_stage if layout.kind == "deepspeed" else layout.fsdp_version
         reason = reason.get(key, reason.get(None, "this stage/version is not supported"))
     return reason
 
 
-def admit(capability, args, engine: Engine) -> bool:
-    """Whether ``capability`` (a class) runs under ``engine``: True; or, refused, a ``ValueError`` naming the
-    capability, the engine, where it was asked for and the field that turns the capability off — or False with one
+def admit(capability, args, layout: Layout) -> bool:
+    """Whether ``capability`` (a class) runs under ``layout``: True; or, refused, a ``ValueError`` naming the
+    capability, the layout, where it was asked for and the field that turns the capability off — or False with one
     warning for a capability that is on by default and was not asked for (``soft_default(args)``)."""
-    reason = refusal(capability, engine)
+    reason = refusal(capability, layout)
     if reason is None:
         return True
-    where = f" (asked for by {engine.source})" if engine.source else ""
+    where = f" (asked for by {layout.source})" if layout.source else ""
     soft = getattr(capability, "soft_default", None)
     level = soft(args) if soft is not None else False
     if level:
         log = logger.info if level == "info" else logger.warning
-        log("%s is off with %s%s: %s. Set %s to silence this.", capability.name, engine.label, where, reason,
+        log("%s is off with %s%s: %s. Set %s to silence this.", capability.name, layout.label, where, reason,
             capability.off_hint)
         return False
-    raise ValueError(f"{capability.name} is not supported with {engine.label}{where}: {reason}. Run it on one process "
+    raise ValueError(f"{capability.name} is not supported with {layout.label}{where}: {reason}. Run it on one process "
                      f"or with DDP, or set {capability.off_hint}.")
 
 

@@ -8,7 +8,7 @@ observe the samplers the others set up and compare logprobs on the batches DUET 
 
 from .capability import register
 from .composition import setup_order
-from .distributed import Engine, refusal
+from .distributed import Layout, refusal
 from .duet.component import Duet
 from .fair_cast.component import FairCast
 from .fast_qlora.component import FastQLoRA
@@ -21,16 +21,16 @@ register(CAPABILITIES)
 
 
 def support_table(capabilities=CAPABILITIES) -> list[tuple[str, dict[str, str]]]:
-    """Per capability, per engine column: ``"supported"`` or ``"refused: <why>"`` (the README's "Many processes"
-    table), from each capability's own engine rules (:func:`trl_fp8.distributed.refusal`)."""
-    columns = [("one process", Engine("single")), ("DDP", Engine("ddp", 2)),
-               ("ZeRO-1/2", Engine("deepspeed", 2, 2)), ("ZeRO-3", Engine("deepspeed", 2, 3)),
-               ("FSDP1", Engine("fsdp", 2, fsdp_version=1)), ("FSDP2", Engine("fsdp", 2, fsdp_version=2))]
+    """Per capability, per process-layout column: ``"supported"`` or ``"refused: <why>"`` (the README's "Many processes"
+    table), from each capability's own layout rules (:func:`trl_fp8.distributed.refusal`)."""
+    columns = [("one process", Layout("single")), ("DDP", Layout("ddp", 2)),
+               ("ZeRO-1/2", Layout("deepspeed", 2, 2)), ("ZeRO-3", Layout("deepspeed", 2, 3)),
+               ("FSDP1", Layout("fsdp", 2, fsdp_version=1)), ("FSDP2", Layout("fsdp", 2, fsdp_version=2))]
     rows = []
     for cap in capabilities:
         row = {}
-        for title, engine in columns:
-            reason = refusal(cap, engine)
+        for title, layout in columns:
+            reason = refusal(cap, layout)
             row[title] = "supported" if reason is None else f"refused: {reason}"
         rows.append((cap.name, row))
     return rows

@@ -51,9 +51,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         trackers.attach(self)  # W&B / trackio: a resumed session continues the same run
         self.capabilities = {}
-        engine = distributed.detect(self)  # DeepSpeed/FSDP from args, an accelerate config or the trainer itself
+        layout = distributed.detect(self)  # DeepSpeed/FSDP from args, an accelerate config or the trainer itself
         for cls in CAPABILITIES:  # set-up order is list order
-            if cls.wanted(self.args) and distributed.admit(cls, self.args, engine):
+            if cls.wanted(self.args) and distributed.admit(cls, self.args, layout):
                 capability = cls()
                 self.capabilities[cls.name] = capability  # visible to those set up after it
                 if capability.setup(self) is False:

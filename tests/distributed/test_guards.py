@@ -12,14 +12,14 @@ import pytest
 
 from trl_fp8 import distributed
 from trl_fp8.registry import CAPABILITIES
-from trl_fp8.distributed import Engine, admit, detect, detect_config, refusal
+from trl_fp8.distributed import Layout, admit, detect, detect_config, refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = SimpleNamespace(deepspeed=None, fsdp=None, fsdp_config=None)
 
 
 def test_detect_config_reads_args_and_the_accelerate_environment():
-    assert detect_config(ARGS, {}) == Engine("single", 1)
+    assert detect_config(ARGS, {}) == Layout("single", 1)
     assert detect_config(ARGS, {"WORLD_SIZE": "2"}).kind == "ddp"
     ds = detect_config(SimpleNamespace(**(ARGS.__dict__ | {"deepspeed": {"zero_optimization": {"stage": 3}}})), {})
     assert (ds.kind, ds.zero_stage, ds.source) == ("deepspeed", 3, "args.deepspeed")
@@ -57,18 +57,18 @@ def test_detect_at_trainer_start(monkeypatch):
     assert requested.label == "FSDP2" and "not active in this trainer" in requested.source
 
 
-ENGINES = [Engine("ddp", 2, source="torchrun"), Engine("deepspeed", 2, 1, source="zero1.yaml"),
-           Engine("deepspeed", 2, 2, source="zero2.yaml"), Engine("deepspeed", 2, 3, source="zero3.yaml"),
-           Engine("fsdp", 2, fsdp_version=1, source="fsdp1.yaml"), Engine("fsdp", 2, fsdp_version=2, source="x")]
+ENGINES = [Layout("ddp", 2, source="torchrun"), Layout("deepspeed", 2, 1, source="zero1.yaml"),
+           Layout("deepspeed", 2, 2, source="zero2.yaml"), Layout("deepspeed", 2, 3, source="zero3.yaml"),
+           Layout("fsdp", 2, fsdp_version=1, source="fsdp1.yaml"), Layout("fsdp", 2, fsdp_version=2, source="x")]
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES, ids=lambda c: c.name)
 def test_every_capability_declares_each_engine(capability):
     assert capability.off_hint, capability.name
-    for kind in distributed.ENGINE_KINDS:
-        assert kind in capability.engines, (capability.name, kind)
+    for kind in distributed.LAYOUT_KINDS:
+        assert kind in capability.layouts, (capability.name, kind)
     args = SimpleNamespace(sync_checks="all")
-    assert admit(capability, args, Engine("single")) is True
+    assert admit(capability, args, Layout("single")) is True
     for engine in ENGINES:
         reason = refusal(capability, engine)
         if reason is None:
@@ -84,7 +84,7 @@ def test_every_capability_declares_each_engine(capability):
 def test_default_checks_switch_off_with_one_line_instead_of_refusing(caplog):
     from trl_fp8.sync_checks.component import SyncChecks
 
-    engine = Engine("fsdp", 2, fsdp_version=2, source="fsdp2.yaml")
+    engine = Layout("fsdp", 2, fsdp_version=2, source="fsdp2.yaml")
     with caplog.at_level(logging.INFO, logger="trl_fp8.distributed"):
         assert admit(SyncChecks, SimpleNamespace(sync_checks="default", use_vllm=True), engine) is False
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "FSDP2" in caplog.text

@@ -131,7 +131,7 @@ class Duet(Capability):
                      "duet_abort_min_tokens", "duet_poll_every", "duet_screen", "duet_screen_keep_prob")
     conflicts = (Conflict("use_transformers_continuous_batching", "DUET plans and stops each rollout on the "
                           "default transformers generation path (or a colocated vLLM engine)."),)
-    engines = {
+    layouts = {
         "ddp": None,  # one plan for the global batch, identical on every rank (see generate)
         "deepspeed": {  # ZeRO-1/2 keep the parameters whole: generation involves no collective
             1: None, 2: None,

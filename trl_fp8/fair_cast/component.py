@@ -79,7 +79,7 @@ class FairCast(Capability):
     # mid-way never reaches: saved as it is at the stop, not copied (model-sized) at every step boundary
     state_at_stop = "current"
     resume_fields = ("fair_cast", "served_dtype", "lora_serving")
-    engines = {
+    layouts = {
         "ddp": None,  # every replica exports the same bits: SR keyed by (seed, step, tensor), EF deterministic
         # ZeRO-1/2/3: the export replaces DeepSpeed's fp32 -> 16-bit partition copy (fair_cast.zero)
         "deepspeed": None,
@@ -190,13 +190,13 @@ class FairCast(Capability):
             )
         self.dtype = SERVED_DTYPES[args.served_dtype]
         self.mode, self.seed = args.fair_cast, args.resolved_fair_cast_seed()
-        engine = distributed.detect(trainer)
+        layout = distributed.detect(trainer)
         self.zero = None
         self.sampler = None  # the in-process twin, as a sampler
         self.vllm_export = None
         record = lambda name, value: _trl.record_metric(trainer, name, value)  # noqa: E731
         self.adapters = False
-        if engine.kind == "deepspeed" and engine.zero_stage == 3:
+        if layout.kind == "deepspeed" and layout.zero_stage == 3:
             return self._setup_zero3(trainer, model, record)
         self.adapters = is_peft_model(model) and serving.resolved(args) == "adapters"
         if self.adapters:
@@ -219,7 +219,7 @@ class FairCast(Capability):
                                  f"{_trl.SERVER_REFUSAL} Or use lora_serving='merged' (a dense stream).")
         elif not trainer.use_vllm:
             self.sampler = TransformersSampler(self._twin(trainer, model, units), describe=trainer.describe_tensors)
-        if engine.kind == "deepspeed":  # ZeRO-1/2: DeepSpeed holds master and served copy
+        if layout.kind == "deepspeed":  # ZeRO-1/2: DeepSpeed holds master and served copy
             from .zero import ZeroFairCast
 
             self.zero = ZeroFairCast(trainer, args.fair_cast, self.dtype, args.resolved_fair_cast_seed(), record)

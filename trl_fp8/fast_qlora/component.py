@@ -122,7 +122,7 @@ class FastQLoRA(Capability):
     Args = FastQLoRAArgs
     # which layers stay dense and which adapters train; the rollout cache (size, dtype) may change between sessions
     resume_fields = ("fast_qlora", "qlora_keep_budget_gb", "qlora_adapter_layers")
-    engines = {
+    layouts = {
         "ddp": None,  # each rank keeps the same dense copies and its own rollout cache; DDP reduces the adapters' grads
         "deepspeed": "DeepSpeed casts and flattens the model's parameters for its 16-bit partitions, and bitsandbytes' "
                      "4-bit bases (which its dense copies and rollout cache are built from) have not been run under it",

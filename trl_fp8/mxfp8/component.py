@@ -34,7 +34,7 @@ class MXFP8(Capability):
     name = "mxfp8"
     Args = MXFP8Args
     resume_fields = ("mxfp8", "mxfp8_exclude")  # the kernel may change: emulated and SM100 compute alike
-    engines = {
+    layouts = {
         "ddp": None,  # each replica converts the same linears; DDP all-reduces the fp32 master gradients
         "deepspeed": {1: None, 2: None,
                       3: "torchao's MXFP8 linears over ZeRO-3's partitioned parameters have not been made to work"},

@@ -102,7 +102,7 @@ class SyncChecks(Capability):
     def load_state_dict(self, state: dict) -> None:
         self.monitor.load_state_dict(state["monitor"])
 
-    engines = {
+    layouts = {
         "ddp": None,  # every rank checks its own sampler; results and metrics are agreed across ranks
         # ZeRO-1/2 keep every parameter whole; under ZeRO-3 the learner's stream gathers (every rank iterates it) and
         # the numerics forward runs on every rank (a collective there)
@@ -162,8 +162,8 @@ class SyncChecks(Capability):
         elif sampler is None:
             sampler = VLLMServerSampler(trainer.vllm_generation.vllm_client, learner.shapes)
         self.distributed = distributed.world_size() > 1  # DDP: every rank checks its sampler; the ranks agree
-        engine = distributed.detect(trainer)
-        self.collective_forward = engine.kind == "deepspeed" and engine.zero_stage == 3  # learner forwards gather
+        layout = distributed.detect(trainer)
+        self.collective_forward = layout.kind == "deepspeed" and layout.zero_stage == 3  # learner forwards gather
         if self.distributed:
             from . import ranks
         self.monitor = SyncMonitor(checks, sampler, learner, args.sync_check_interval, args.sync_check_action,

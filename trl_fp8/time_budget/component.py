@@ -272,7 +272,7 @@ class TimeBudget(Capability):
     state_required = False  # a checkpoint written without a budget resumes with none used so far
     state_at_stop = "current"  # a stop saves the time used up to the stop, not to the last step's end
     # it observes step and save times and asks for TRL's own save; the stop decision is all-reduced (any_rank)
-    engines = {"ddp": None, "deepspeed": None, "fsdp": None}
+    layouts = {"ddp": None, "deepspeed": None, "fsdp": None}
     off_hint = "time_budget=None (and no TRL_FP8_TIME_BUDGET)"
 
     @classmethod
