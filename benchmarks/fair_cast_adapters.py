@@ -50,7 +50,8 @@ records are discarded by the ``start`` record, ``benchmarks/_runlog.py``). The r
     python benchmarks/fair_cast_adapters.py --steps 24           # all runs (resumable: rerun after a stop)
     python benchmarks/fair_cast_adapters.py --report             # tables from the JSONL, into --report-file too
 
-The report's last line is the headline.
+The report's last line is the headline: ``merged_rtn_share_of_adapter_update_at_<lr>``, the share of each step's
+``ΔD`` that a merged RTN copy serves (adapters serve all of it, whatever the rule; the line before gives each rule's).
 """
 
 from __future__ import annotations
@@ -432,10 +433,10 @@ def report(jsonl: str, out_path: str) -> None:
                 if bench == BENCH_A_GRID else "A factors start as PEFT initialises them (fp32 Kaiming-uniform, off "
                 "the bf16 grid)")
         say(f"\n## lr {lr:g}, {init}: {steps} steps, seeds {seeds}\n")
-        say("| rule | served adapter elements changed per step (A / B) | share of the step's master update reaching "
+        say("| rule | seeds | served adapter elements changed per step (A / B) | share of the step's master update reaching "
             "the served factors (A / B) | share of the step's ΔD = s·B·A reaching the served B̂Â | lag (steps), "
             "mean \\|lag\\| / signed, last 5 steps |")
-        say("|---|---|---|---|---|")
+        say("|---|---|---|---|---|---|")
         for mode in MODES:
             rs = at[mode]
             if not rs:
@@ -456,7 +457,7 @@ def report(jsonl: str, out_path: str) -> None:
                         ([r["steps"][s][field] for s in sorted(r["steps"]) if r["steps"][s].get(field) is not None]
                          for r in rs) if xs]
 
-            say(f"| {mode} | {spread(per_run('visible'), '.4f')} ({_fmt(_m(per_run('visible_A')), '.4f')} / "
+            say(f"| {mode} | {len(rs)} | {spread(per_run('visible'), '.4f')} ({_fmt(_m(per_run('visible_A')), '.4f')} / "
                 f"{_fmt(_m(per_run('visible_B')), '.4f')}) | {spread(per_run('reach'), '.4f')} "
                 f"({_fmt(_m(per_run('reach_A')), '.4f')} / {_fmt(_m(per_run('reach_B')), '.4f')}) | "
                 f"{spread(per_run('delta_reach'), '.4f')} | {spread(per_run_abs('lag'), '.3f')} / "
@@ -464,9 +465,9 @@ def report(jsonl: str, out_path: str) -> None:
             headline[(bench, lr, mode)] = (_m(per_run("reach")), _m(per_run("delta_reach")),
                                            _m(per_run("reach_A")))
         say("")
-        say("| rule | held-out logp/token at step " + " / ".join(str(s) for s in _evals(at)) +
+        say("| rule | seeds | held-out logp/token at step " + " / ".join(str(s) for s in _evals(at)) +
             " | answer accuracy (teacher-forced) at the same steps | logp change, first to last eval |")
-        say("|---|---|---|---|")
+        say("|---|---|---|---|---|")
         for mode in MODES:
             rs = at[mode]
             if not rs:
@@ -476,7 +477,7 @@ def report(jsonl: str, out_path: str) -> None:
             acc = " / ".join(_fmt(_m([r["evals"].get(s, {}).get("heldout_answer_acc") for r in rs]), ".3f")
                              for s in ev)
             d = [r["evals"][max(r["evals"])]["heldout_logp"] - r["evals"][0]["heldout_logp"] for r in rs]
-            say(f"| {mode} | {lp} | {acc} | {spread(d, '+.4f')} |")
+            say(f"| {mode} | {len(rs)} | {lp} | {acc} | {spread(d, '+.4f')} |")
         for other in ("stochastic", "error_feedback"):
             pairs = [(a, b) for a in at["rtn"] for b in at[other] if a["key"]["seed"] == b["key"]["seed"]
                      and a["evals"] and b["evals"]]
@@ -511,8 +512,10 @@ def report(jsonl: str, out_path: str) -> None:
         grid = {k[2]: v for k, v in headline.items() if k[:2] == (BENCH_A_GRID, lo)}
         extra = (f"; A on the bf16 grid: RTN {_fmt(grid['rtn'][2], '.3f')}, SR {_fmt(grid['stochastic'][2], '.3f')} "
                  "of the A update" if "rtn" in grid and "stochastic" in grid else "")
-        say(f"\nheadline_at_{lo:g}: share of the per-step ΔD = s·B·A reaching the served policy: merged RTN "
-            f"{h['merged']:.3f}, adapters RTN {h['rtn'][1]:.3f}, adapters SR {h['stochastic'][1]:.3f}{extra}")
+        ef = f", EF {h['error_feedback'][1]:.3f}" if "error_feedback" in h else ""
+        say(f"\nAt lr {lo:g}, the share of each step's ΔD = s·B·A reaching the served policy: adapters RTN "
+            f"{h['rtn'][1]:.3f}, SR {h['stochastic'][1]:.3f}{ef}{extra}; merged RTN {h['merged']:.3f}")
+        say(f"merged_rtn_share_of_adapter_update_at_{lo:g}: {h['merged']:.3f}")
     text = "\n".join(lines)
     print(text)
     with open(out_path, "w") as f:
