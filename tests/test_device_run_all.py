@@ -43,9 +43,13 @@ def assert_memory_smoke(out: Path) -> None:
         assert r["peak"].startswith("not measured: the CPU has no max_memory_allocated")
         cells = r["judged"]["persistent_by_category"]
         assert cells["base"]["measured"] > 0 and cells["optimizer"]["measured"] > 0
-        # on the CPU the persistent rows are counted exactly (tests/plan/test_held*.py), estimates aside
-        estimated = r["plan"]["held_estimated_rows"]
-        assert abs(sum(c["measured"] - c["plan"] for c in cells.values())) <= estimated, cells
+        # on the CPU the persistent rows are counted exactly (tests/plan/test_held*.py); an estimate (fast QLoRA's
+        # kept layers) is a budget the measured bytes stay within
+        for category, cell in cells.items():
+            if category in r["plan"]["estimated_categories"]:
+                assert cell["measured"] <= cell["plan"], (r["setup"], category, cell)
+            else:
+                assert cell["measured"] == cell["plan"], (r["setup"], category, cell)
         assert r["rollout"]["completion_width_generated"] <= r["rollout"]["completion_length"]
     last = "memory_check: 3/3 set-ups smoke (CPU): persistent rows within 15 % of plan.measure; no peak"
     assert json.loads((out / "summary.json").read_text())["checks"]["memory"]["last_line"].startswith(last)

