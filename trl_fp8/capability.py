@@ -151,6 +151,10 @@ class Capability:
     state_file: str | None = None  # file in a checkpoint folder holding state_dict(), if it has state
     state_required: bool = True  # False: resuming from a checkpoint without state_file starts it afresh
     resume_fields: tuple[str, ...] = ()  # config fields a resumed run must share with the checkpoint
+    # A step stopped mid-way (SIGTERM, time budget) saves the last complete step: "boundary" = this capability's
+    # state as it was at that step's end (recorded at each step's start, see trl_fp8.checkpoints.boundary);
+    # "current" = as it is at the stop (state a cut step does not move, or too large to copy every step)
+    state_at_stop: str = "boundary"
     # Many processes: "ddp" / "deepspeed" / "fsdp" -> None (supported) or why it is refused (a dict per ZeRO stage /
     # FSDP version where they differ); a layout left out is refused. One process is always supported.
     layouts: dict = {}

@@ -77,4 +77,4 @@ def mark(trainer) -> None:
     trainer._step_boundary = StepBoundary(
         global_step, trainer._step, trainer._buffered_inputs, rng=_rng_states() if stoppable else None,
         states={c.name: _copied(c.state_dict()) for c in caps
-                if stoppable and c.state_file is not None and getattr(c, "state_at_stop", BOUNDARY) == BOUNDARY})
+                if stoppable and c.state_file is not None and c.state_at_stop == BOUNDARY})
