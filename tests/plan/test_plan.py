@@ -148,3 +148,16 @@ def test_json_is_what_the_table_shows(qlora_7b_t4):
     assert data["fits"] is True and data["total_bytes"] == qlora_7b_t4.total
     assert sum(r["bytes"] for r in data["rows"]) == sum(r.bytes for r in qlora_7b_t4.rows)
     assert "**fits: yes**" in markdown(qlora_7b_t4)
+
+
+def test_a_lora_config_peft_has_applied_is_planned_like_the_one_given():
+    """PEFT rewrites a LoraConfig's target_modules into the layers' full names once it wraps a model; the plan takes the
+    projection (the last component), so the trainer's own peft config can be passed back."""
+    from peft import LoraConfig
+
+    given = LoraConfig(r=16, target_modules=["q_proj", "v_proj"])
+    applied = LoraConfig(r=16, target_modules={"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"})
+    assert memory_plan("smollm2-135m", FREE_TIER, peft=applied).by_category() == \
+        memory_plan("smollm2-135m", FREE_TIER, peft=given).by_category()
+    with pytest.raises(ValueError, match="LoRA target_modules gate unknown"):
+        memory_plan("smollm2-135m", FREE_TIER, peft=LoraConfig(r=16, target_modules=["model.layers.0.mlp.gate"]))

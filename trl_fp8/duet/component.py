@@ -5,6 +5,7 @@ the early-stop rule), placeholders excluded from rewards and loss, importance we
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -126,9 +127,9 @@ class Duet(Capability):
     Args = DuetArgs
     state_file = "duet_state.pt"
     state_required = False  # checkpoints of earlier trl_fp8 versions have none: the controller then starts afresh
-    resume_fields = ("duet", "duet_budget", "duet_n_min", "duet_n_max", "duet_markers", "duet_abort_keep_prob",
-                     "duet_min_propensity", "duet_max_weight", "duet_abort_grace", "duet_prior_strength",
-                     "duet_abort_min_tokens", "duet_poll_every", "duet_screen", "duet_screen_keep_prob")
+    # every DUET field shapes the controller's state and the plan: a resume must match all of them (derived from the
+    # fields, so a new field cannot be forgotten here)
+    resume_fields = tuple(f.name for f in dataclasses.fields(DuetArgs))
     conflicts = (Conflict("use_transformers_continuous_batching", "DUET plans and stops each rollout on the "
                           "default transformers generation path (or a colocated vLLM engine)."),)
     layouts = {

@@ -140,6 +140,9 @@ def _lora(peft) -> LoraSpec | None:
     if targets in ("all-linear", "all", None):
         targets = PROJECTIONS
     targets = tuple(targets) if not isinstance(targets, str) else tuple(t.strip() for t in targets.split(","))
+    # a LoraConfig PEFT has applied names its targets in full (model.layers.0.self_attn.q_proj): the projection is
+    # the last component
+    targets = tuple(str(t).rsplit(".", 1)[-1] for t in targets)
     unknown = [t for t in targets if t not in PROJECTIONS]
     if unknown:
         raise ValueError(f"LoRA target_modules {', '.join(unknown)} unknown; allowed: {', '.join(PROJECTIONS)} or "
