@@ -194,3 +194,33 @@ def test_two_processes_asking_for_smollm2_at_once_convert_it_once(tmp_path):
     folders = {out.strip() for out, _ in outs}
     assert len(folders) == 1 and os.path.isfile(os.path.join(folders.pop(), models.MARKER))
     assert len((tmp_path / "conversions.log").read_text().split()) == 1  # converted once
+
+
+def test_a_fresh_cache_root_is_private_so_the_native_kernels_accept_it(monkeypatch, tmp_path):
+    """Converting trl-fp8:smollm2 creates the cache root; under a permissive umask (0o002, common on shared
+    machines) it was created group-writable, and the Fair Cast CPU kernels (same root) then refused it. The root is
+    created 0o700, so both work from a fresh cache."""
+    import stat
+
+    from trl_fp8.fair_cast import _native
+
+    root = tmp_path / "fresh" / "trl_fp8"
+    monkeypatch.setenv("TRL_FP8_CACHE", str(root))
+    monkeypatch.setattr(models, "smollm2_gguf", lambda: tmp_path / models.SMOLLM2_GGUF)
+    monkeypatch.setattr(models.importlib.metadata, "version", lambda name: "0.1.2")
+
+    def convert(gguf, folder, source, grid=None):
+        folder.mkdir()
+        (folder / models.MARKER).write_text("{}")
+
+    monkeypatch.setattr(models, "convert_gguf", convert)
+    old = os.umask(0o002)
+    try:
+        folder = models.smollm2_folder()
+        held, reason = _native._prepare_dir(_native._cache_dir())
+    finally:
+        os.umask(old)
+    assert (folder / models.MARKER).is_file() and folder.is_relative_to(root)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert reason is None and held is not None
+    held.close()

@@ -5,9 +5,10 @@
 :func:`resolve_model` turns such a name into a folder ``from_pretrained`` (TRL, vLLM) loads; any other string (a
 Hub id, a local folder) is returned as it is. ``trl_fp8.GRPOTrainer`` and ``trl-fp8 grpo`` call it, so the names
 work wherever a model id is accepted. SmolLM2 is converted once into a cached folder (``TRL_FP8_CACHE``, default
-``~/.cache/trl_fp8``), written under a temporary name and renamed when complete — by one process at a time (a file
-lock beside the folder), so the ranks of a fresh multi-process run convert it once; the weights are saved in float32
-and the dtype is chosen at load (``model_init_kwargs={"dtype": ...}``).
+``~/.cache/trl_fp8``; the root is created 0o700, as the Fair Cast CPU kernels sharing it require), written under a
+temporary name and renamed when complete — by one process at a time (a file lock beside the folder), so the ranks of
+a fresh multi-process run convert it once; the weights are saved in float32 and the dtype is chosen at load
+(``model_init_kwargs={"dtype": ...}``).
 
 The GGUF file carries Q4_1's quantization error: a real pretrained instruct model with real weight statistics, not
 the original bf16 checkpoint. Its dequantized values are mostly (79 %) off the bfloat16 grid, unlike the release,
@@ -68,6 +69,19 @@ def cache_root() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "trl_fp8"
 
 
+def private_cache_root() -> Path:
+    """:func:`cache_root`, created with mode 0o700 when missing (whatever the umask): the Fair Cast CPU kernels share
+    this root and refuse a group- or other-writable one, so a root made under a permissive umask (0o002) would
+    switch them off. An existing root is left as it is."""
+    root = cache_root()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(root, 0o700)  # the umask can only take bits away from 0o700
+    except FileExistsError:
+        pass
+    return root
+
+
 def resolve_model(model):
     """A ``trl-fp8:`` name -> the folder to load it from (converted on first use); anything else unchanged."""
     if not isinstance(model, str) or not model.startswith(PREFIX):
@@ -99,7 +113,7 @@ def smollm2_folder() -> Path:
     """The converted folder (made on first use, atomically)."""
     gguf = smollm2_gguf()
     version = importlib.metadata.version(SMOLLM2_WHEEL)
-    folder = cache_root() / "models" / f"SmolLM2-135M-Instruct-Q4_1-{version}-c{SMOLLM2_CONVERSION}"
+    folder = private_cache_root() / "models" / f"SmolLM2-135M-Instruct-Q4_1-{version}-c{SMOLLM2_CONVERSION}"
     if (folder / MARKER).is_file():
         return folder
     with conversion_lock(folder):  # every rank of a fresh multi-process run asks at once: one converts
