@@ -334,3 +334,29 @@ def test_attach_puts_the_callback_before_the_trackers():
     trainer.callback_handler.callbacks = ["DefaultFlowCallback"]
     trackers.attach(trainer)
     assert trainer.callback_handler.callbacks == ["DefaultFlowCallback"]
+
+
+def test_env_is_restored_when_train_raises(tmp_path, clean_env, tiny_model_dir):
+    """The identity callback sets WANDB_RUN_ID / WANDB_RESUME at train begin and removed them only at train end,
+    which a training that raises never reaches: the next run in the same process (a notebook's next cell) then
+    continued the failed run's W&B chart. train() restores them in a finally."""
+    import trl_fp8
+    from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset
+
+    def failing_reward(completions, **kwargs):
+        raise RuntimeError("reward server down")
+
+    args = trl_fp8.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=2,
+                              per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                              report_to="none", disable_tqdm=True, save_strategy="no")
+    trainer = trl_fp8.GRPOTrainer(model=tiny_model_dir, reward_funcs=[failing_reward], args=args,
+                                  train_dataset=make_arithmetic_dataset(16, seed=1))
+    trainer.args.report_to = ["wandb"]  # the callback without starting W&B itself (its callback was not added)
+    trackers.attach(trainer)
+    seen = []
+    trainer.add_callback(type("Seen", (trackers.TrainerCallback,), {
+        "on_train_begin": lambda self, *a, **k: seen.append(os.environ.get("WANDB_RUN_ID"))})())
+    with pytest.raises(RuntimeError, match="reward server down"):
+        trainer.train()
+    assert seen == [trackers.read_identity(tmp_path / "run").run_id]  # it was set during training
+    assert "WANDB_RUN_ID" not in os.environ and "WANDB_RESUME" not in os.environ

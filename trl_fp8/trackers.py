@@ -17,7 +17,7 @@ It hands the identity to the trackers the way they read it: W&B through ``WANDB_
 ``WANDB_RESUME=allow`` (read by ``wandb.init``), trackio through ``args.run_name`` (transformers calls
 ``trackio.init(name=args.run_name, resume="allow")``). Anything the user set wins: a ``WANDB_RUN_ID`` or
 ``WANDB_RESUME`` in the environment, an explicit ``run_name``, or a W&B run already started with ``wandb.init``.
-The environment variables it set are removed again at the end of training.
+The environment variables it set are removed again at the end of training, also when training raises.
 """
 
 from __future__ import annotations
@@ -153,6 +153,14 @@ class RunIdentityCallback(TrainerCallback):
 def _wandb_run_active() -> bool:
     wandb = sys.modules.get("wandb")  # never import wandb just to ask
     return wandb is not None and getattr(wandb, "run", None) is not None
+
+
+def restore_env(trainer) -> None:
+    """Remove the tracker variables ``trainer``'s identity callback set (``train()`` calls it in a ``finally``: a
+    training that raises never reaches ``on_train_end``, and the next run in the process would continue its chart)."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, RunIdentityCallback):
+            callback._restore_env()
 
 
 def attach(trainer) -> None:

@@ -256,6 +256,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
             return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         except StopNow:  # a capability stopped the step in flight: keep the last complete one
             return checkpoints.save_stopped_run(self, trial)
+        finally:  # also when training raises (on_train_end never ran)
+            trackers.restore_env(self)
 
     def _save_checkpoint(self, model, trial):
         checkpoints.save_checkpoint(self, trial)  # what TRL writes, written atomically; push and rotation after
