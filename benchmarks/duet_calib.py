@@ -10,13 +10,16 @@ already there are skipped on restart).
 
     OMP_NUM_THREADS=1 python benchmarks/duet_calib.py [--per-kind 40] [--samples 16]    # sample (resumable)
     python benchmarks/duet_calib.py --speed                                              # time one batch only
-    python benchmarks/duet_calib.py --build [--pool 64] [--heldout 120]                 # write the calibration
+    python benchmarks/duet_calib.py --build [--pool 48] [--heldout 100]                 # write the calibration
 
 The build (deterministic, seeded): prompts are banded by measured pass rate (easy >= 0.9, medium 0.2-0.8, hard <=
-0.05; the gaps are not used). The held-out set is ``--heldout`` medium and hard prompts (half each where there are
-enough), drawn first; the training pool is drawn from the rest: its medium share is fixed by ``--medium-share``, and
-easy and hard prompts fill the remainder in proportion to what exists, until the expected zero-variance fraction of
-plain GRPO with 8 rollouts (mean of p^8 + (1-p)^8 over the pool) lies in 40-60 % (the build refuses otherwise).
+0.05, "between" the gaps 0.05-0.2 and 0.8-0.9). Medium prompts are scarce on this model (~8 % of the candidates),
+so medium and between prompts together are the *informative* ones. The held-out set (``--heldout``, drawn first) is
+half of the informative prompts, filled up with hard ones: no easy prompt. The pool (``--pool``) takes the other
+informative prompts (at most half the pool) and easy and hard ones (each band at least an eighth of the pool), in the
+mix whose expected zero-variance fraction for plain GRPO with 8 rollouts (mean of p^8 + (1-p)^8 over the pool) is
+nearest 50 % (to 0.01; ties: more informative prompts, then easy and hard alike); the build refuses one outside
+40-60 %.
 """
 
 from __future__ import annotations
@@ -132,36 +135,47 @@ def build(args) -> None:
     rng = random.Random(args.seed)
     for v in by_band.values():
         rng.shuffle(v)
-    # held-out first: medium and hard, half each where possible
-    half = args.heldout // 2
-    n_med = min(len(by_band["medium"]) // 2, max(half, args.heldout - len(by_band["hard"]) // 2))
-    n_hard = args.heldout - n_med
-    if n_hard > len(by_band["hard"]) // 2 + len(by_band["hard"]) % 2:
-        raise SystemExit(f"not enough medium/hard prompts for {args.heldout} held-out ones: "
-                         f"{len(by_band['medium'])} medium, {len(by_band['hard'])} hard")
-    heldout = by_band["medium"][:n_med] + by_band["hard"][:n_hard]
-    rest = {"easy": by_band["easy"], "medium": by_band["medium"][n_med:], "hard": by_band["hard"][n_hard:]}
-    n_medium = round(args.pool * args.medium_share)
-    if n_medium > len(rest["medium"]):
-        raise SystemExit(f"{n_medium} medium prompts wanted in the pool, {len(rest['medium'])} left")
-    n_other = args.pool - n_medium
-    n_easy = min(len(rest["easy"]), round(n_other * args.easy_share))
-    n_hard_pool = n_other - n_easy
-    if n_hard_pool > len(rest["hard"]):
-        raise SystemExit(f"{n_hard_pool} hard prompts wanted in the pool, {len(rest['hard'])} left")
-    train = rest["medium"][:n_medium] + rest["easy"][:n_easy] + rest["hard"][:n_hard_pool]
+    # Held-out first: not easy. Medium prompts are scarce on this model (~8 % of candidates), so the "between" bands
+    # (0.05-0.2 and 0.8-0.9) count with them as informative; half of the informative prompts go to the held-out set
+    # (its signal), the other half stay for the pool (its learning), and hard prompts fill the held-out set up.
+    informative = by_band["medium"] + by_band["between"]
+    rng.shuffle(informative)
+    n_inf = min(len(informative) // 2, args.heldout)
+    n_hard = args.heldout - n_inf
+    if n_hard > len(by_band["hard"]) - args.pool // 4:
+        raise SystemExit(f"not enough prompts for {args.heldout} held-out ones: {len(informative)} informative, "
+                         f"{len(by_band['hard'])} hard (a quarter of the pool's size stays for the pool)")
+    heldout = informative[:n_inf] + by_band["hard"][:n_hard]
+    rest = {"easy": by_band["easy"], "informative": informative[n_inf:], "hard": by_band["hard"][n_hard:]}
+    best = None  # the mix whose expected zero-variance fraction is nearest 0.5, each band >= an eighth of the pool
+    least = args.pool // 8
+    for n_informative, n_easy in ((i, e) for i in range(least, min(len(rest["informative"]), args.pool // 2) + 1)
+                                  for e in range(least, min(len(rest["easy"]), args.pool - i - least) + 1)):
+        n_hard_pool = args.pool - n_informative - n_easy
+        if n_hard_pool > len(rest["hard"]) or n_hard_pool < least:
+            continue
+        pool = rest["informative"][:n_informative] + rest["easy"][:n_easy] + rest["hard"][:n_hard_pool]
+        z = mm.zero_variance_fraction([r["pass_rate"] for r in pool], 8)
+        balance = -n_informative, abs(n_easy - n_hard_pool)  # ties: more informative, then easy and hard alike
+        if best is None or (round(abs(z - 0.5), 2), balance) < (round(abs(best[0] - 0.5), 2), best[1]):
+            best = (z, balance, n_easy, n_hard_pool, pool, n_informative)
+    if best is None:
+        raise SystemExit(f"not enough easy/hard prompts left for a pool of {args.pool}")
+    z8, _, n_easy, n_hard_pool, train, n_informative = best
+    train = list(train)
     rng.shuffle(train)
-    z8 = mm.zero_variance_fraction([r["pass_rate"] for r in train], 8)
     z4 = mm.zero_variance_fraction([r["pass_rate"] for r in train], 4)
-    print(f"pool {len(train)}: {n_easy} easy, {n_medium} medium, {n_hard_pool} hard; expected zero-variance fraction "
-          f"G=8 {z8:.3f}, G=4 {z4:.3f}; held-out {len(heldout)}: {n_med} medium, {n_hard} hard; held-out mean pass "
-          f"rate {statistics.mean(r['pass_rate'] for r in heldout):.3f}")
+    n_med = sum(r["band"] == "medium" for r in heldout)
+    print(f"pool {len(train)}: {n_easy} easy, {n_informative} informative (medium or between), {n_hard_pool} hard; "
+          f"expected zero-variance fraction G=8 {z8:.3f}, G=4 {z4:.3f}; held-out {len(heldout)}: {n_inf} informative "
+          f"({n_med} medium), {n_hard} hard; held-out mean pass rate "
+          f"{statistics.mean(r['pass_rate'] for r in heldout):.3f}")
     if not 0.4 <= z8 <= 0.6:
-        raise SystemExit(f"expected zero-variance fraction {z8:.3f} is outside 0.4-0.6: change --medium-share")
+        raise SystemExit(f"expected zero-variance fraction {z8:.3f} is outside 0.4-0.6")
     settings = {"model": "trl-fp8:smollm2", "precision": "fp32", "temperature": mm.TEMPERATURE,
                 "cap": rows[0]["cap"], "samples": rows[0]["samples"], "per_kind": args.per_kind,
-                "candidate_seed": args.seed, "build_seed": args.seed, "pool": args.pool,
-                "medium_share": args.medium_share, "easy_share": args.easy_share, "heldout": args.heldout,
+                "candidate_seed": args.seed, "build_seed": args.seed, "pool": args.pool, "heldout": args.heldout,
+                "counts": CALIBRATION_COUNTS, "calibrated": len(rows),
                 "script": "benchmarks/duet_calib.py", "expected_zero_variance_g8": round(z8, 4),
                 "expected_zero_variance_g4": round(z4, 4)}
     keep = ("id", "kind", "question", "answer", "samples", "passes", "boxed")
@@ -197,10 +211,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="calibrate at most this many prompts this run")
     parser.add_argument("--speed", action="store_true", help="time one batch, write nothing")
     parser.add_argument("--build", action="store_true", help="write the calibration file from --jsonl")
-    parser.add_argument("--pool", type=int, default=64, help="--build: training prompts")
-    parser.add_argument("--heldout", type=int, default=120, help="--build: held-out prompts (medium + hard)")
-    parser.add_argument("--medium-share", type=float, default=0.45, help="--build: medium share of the pool")
-    parser.add_argument("--easy-share", type=float, default=0.5, help="--build: easy share of the non-medium rest")
+    parser.add_argument("--pool", type=int, default=48, help="--build: training prompts")
+    parser.add_argument("--heldout", type=int, default=100, help="--build: held-out prompts (not easy)")
     parser.add_argument("--output", default=None, help="--build: default the task's calibration file")
     args = parser.parse_args()
     from trl_fp8.app.tasks import mixed_math as mm

@@ -83,6 +83,7 @@ ARMS = {
 ESSENTIAL = ("grpo8", "grpo4", "duet")
 ORDER = [(arm, seed) for seed in SEEDS for arm in ESSENTIAL] + [("zv_skip", 0), ("duet_alloc", 0)]
 KEYS = ("bench", "arm", "seed", "steps")
+PROBE_STEPS = 2
 JSONL = os.path.join(HERE, "results", "duet_race_smollm2.jsonl")
 PLOT = os.path.join(HERE, "results", "duet_race_smollm2.png")
 
@@ -358,7 +359,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/duet_race")
     parser.add_argument("--report", action="store_true", help="tables and plot from --jsonl")
     parser.add_argument("--report-file", default=os.path.join(HERE, "results", "duet_race_smollm2.txt"))
-    parser.add_argument("--probe", action="store_true", help="time PROBE_STEPS steps of each essential arm")
+    parser.add_argument("--probe", action="store_true", help="time PROBE_STEPS steps of each essential arm (records "
+                        "in results/duet_race_probe.jsonl, step seconds included)")
     parser.add_argument("--units", nargs="*", help="arm:seed units to run (default: ORDER)")
     args = parser.parse_args()
     if args.report:
@@ -372,8 +374,9 @@ def main() -> None:
         probe = os.path.join(HERE, "results", "duet_race_probe.jsonl")
         for arm in ESSENTIAL:
             t0 = time.perf_counter()
-            run_unit(arm, 0, probe, args.output_dir, steps=3, probe=True)
-            print(json.dumps({"probe": arm, "seconds_for_3_steps": round(time.perf_counter() - t0, 1)}), flush=True)
+            run_unit(arm, 0, probe, args.output_dir, steps=PROBE_STEPS, probe=True)
+            print(json.dumps({"probe": arm, "steps": PROBE_STEPS, "seconds": round(time.perf_counter() - t0, 1)}),
+                  flush=True)
         return
     units = [(u.split(":")[0], int(u.split(":")[1])) for u in args.units] if args.units else ORDER
     for arm, seed in units:
