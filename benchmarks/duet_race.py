@@ -65,9 +65,14 @@ from _runlog import spread  # noqa: E402
 
 # ---- pre-registered settings (see the docstring; fixed before the first race run) -------------------------------
 PROMPTS = 4  # prompts a step
-STEPS = 48  # optimizer steps per run (the pool of 48 prompts recurs every 12 steps: 4 passes)
+# Sized from the probe (--probe, benchmarks/results/duet_race_probe.jsonl, one shared core): GRPO-8 steps took 223 and
+# 191 s (32 sequences of ~110 tokens through the update dominate), GRPO-4 47 and 25 s, DUET's first step 63 s: ~285 s
+# a step index for the three essential arms, ~3 h a seed at 32 steps with the evaluations, ~9 h for 3 seeds (three
+# sessions). Cut to fit: 32 steps (the pool of 48 prompts 2.7 times, not more), one seed for the diagnostics, no β
+# sweep, 4 prompts a step.
+STEPS = 32
 LR = 5e-6  # measured to move SmolLM2 on chat_math within 20 steps (benchmarks/results/duet_smollm2.txt)
-EVAL_EVERY = 6
+EVAL_EVERY = 4
 EVAL_SAMPLES = 2
 SEEDS = (0, 1, 2)
 MIN_GAIN = 0.05  # about 2 standard errors of a held-out mean (240 samples at p ~ 0.3: 0.03)

@@ -57,40 +57,48 @@ def test_partial_records_report_pending_units_and_na(tmp_path):
     _write(path, "grpo8", 0, [0.1 + 0.01 * i for i in range(n_evals)], 640.0)
     _write(path, "duet", 0, [0.1] * n_evals, 320.0, done=False, upto=7)
     lines = duet_race.report(path, plot=None)
-    assert "grpo8/0: done" in lines[2] and "duet/0: partial (7/48 steps)" in lines[2] and "grpo4/1: not run" in lines[2]
-    assert lines[3].startswith("target: pending (GRPO-8 has reached step 24 on 1 of 3 seeds)")
+    assert "grpo8/0: done" in lines[2] and f"duet/0: partial (7/{duet_race.STEPS} steps)" in lines[2]
+    assert "grpo4/1: not run" in lines[2]
+    assert lines[3].startswith(f"target: pending (GRPO-8 has reached step {duet_race.STEPS // 2} on 1 of 3 seeds)")
     assert lines[-2].startswith("duet_tokens_to_target_over_grpo4: n/a (seed 0: pending")
     assert lines[-1].startswith("duet_tokens_to_target_over_grpo8: n/a (seed 0: pending")
 
 
 def test_complete_records_give_the_pre_registered_target_and_the_ratios(tmp_path):
     path = str(tmp_path / "race.jsonl")
-    n_evals = duet_race.STEPS // duet_race.EVAL_EVERY + 1  # 9 evaluations: steps 0, 6, ..., 48
-    grpo = [0.1 + 0.05 * i for i in range(n_evals)]  # at step 24 (index 4): 0.3 on every seed: the target
+    every, half = duet_race.EVAL_EVERY, duet_race.STEPS // 2
+    n_evals = duet_race.STEPS // every + 1
+    grpo = [0.1 + 0.05 * i for i in range(n_evals)]
+    target = grpo[half // every]  # GRPO-8 at half its steps, on every seed
     for seed in duet_race.SEEDS:
         _write(path, "grpo8", seed, grpo, 640.0)
-        _write(path, "grpo4", seed, grpo, 320.0)  # same curve per step, half the tokens: target at step 24
-        _write(path, "duet", seed, [0.1, 0.31] + [0.35] * (n_evals - 2), 320.0)  # the target at step 6
+        _write(path, "grpo4", seed, grpo, 320.0)  # same curve per step, half the tokens: the target at `half` too
+        _write(path, "duet", seed, [0.1, target + 0.01] + [target + 0.02] * (n_evals - 2), 320.0)  # at step `every`
     lines = duet_race.report(path, plot=None)
-    assert lines[3].startswith("target: 0.3000 (GRPO-8 at step 24")
-    # tokens to target: GRPO-8 24 x 640, GRPO-4 24 x 320, DUET 6 x 320
+    assert lines[3].startswith(f"target: {target:.4f} (GRPO-8 at step {half}")
     row = next(line for line in lines if line.startswith("| duet | 0 |"))
-    assert "| 1,920 | 96 | 6 |" in row  # tokens, rollouts (16 a step from n_q), seconds
-    assert lines[-2] == f"duet_tokens_to_target_over_grpo4: {6 * 320 / (24 * 320):.3f}"
-    assert lines[-1] == f"duet_tokens_to_target_over_grpo8: {6 * 320 / (24 * 640):.3f}"
+    assert f"| {every * 320:,} | {every * 16} | {every} |" in row  # tokens, rollouts (16 a step from n_q), seconds
+    assert lines[-2] == f"duet_tokens_to_target_over_grpo4: {every * 320 / (half * 320):.3f}"
+    assert lines[-1] == f"duet_tokens_to_target_over_grpo8: {every * 320 / (half * 640):.3f}"
     assert any(line.startswith("duet n_q histogram (prompts): 0: 0.250, 2: 0.250, 6: 0.250, 8: 0.250")
                for line in lines)
 
 
 def test_a_grpo8_that_has_not_learnt_does_not_make_a_target_noise_reaches(tmp_path):
     path = str(tmp_path / "race.jsonl")
-    n_evals = duet_race.STEPS // duet_race.EVAL_EVERY + 1
+    every, half = duet_race.EVAL_EVERY, duet_race.STEPS // 2
+    n_evals = duet_race.STEPS // every + 1
+    late = n_evals - 1  # GRPO-8 gets above the floor only at its last evaluation
+    flat = [0.2] * n_evals
+    flat[late] = 0.2 + duet_race.MIN_GAIN + 0.01
     for seed in duet_race.SEEDS:
-        _write(path, "grpo8", seed, [0.2, 0.21, 0.2, 0.19, 0.2, 0.22, 0.26, 0.2, 0.2], 640.0)
+        _write(path, "grpo8", seed, flat, 640.0)
         _write(path, "duet", seed, [0.2, 0.22] + [0.2] * (n_evals - 2), 320.0)
     lines = duet_race.report(path, plot=None)
-    assert lines[3].startswith(f"target: {0.2 + duet_race.MIN_GAIN:.4f} (GRPO-8 at step 24 0.2000")
-    assert next(line for line in lines if line.startswith("| grpo8 | 0 |")).split(" | ")[3] == "23,040"  # step 36
-    assert next(line for line in lines if line.startswith("| duet | 0 |")).split(" | ")[3] == ">= 15,360"
-    assert lines[-1] == "duet_tokens_to_target_over_grpo8: n/a (seed 0: >= 0.67 (DUET did not reach it); seed 1: " \
-                        ">= 0.67 (DUET did not reach it); seed 2: >= 0.67 (DUET did not reach it))"
+    assert lines[3].startswith(f"target: {0.2 + duet_race.MIN_GAIN:.4f} (GRPO-8 at step {half} 0.2000")
+    grpo_tokens = late * every * 640
+    assert next(line for line in lines if line.startswith("| grpo8 | 0 |")).split(" | ")[3] == f"{grpo_tokens:,}"
+    duet_total = duet_race.STEPS * 320
+    assert next(line for line in lines if line.startswith("| duet | 0 |")).split(" | ")[3] == f">= {duet_total:,}"
+    bound = f">= {duet_total / grpo_tokens:.2f} (DUET did not reach it)"
+    assert lines[-1] == f"duet_tokens_to_target_over_grpo8: n/a (seed 0: {bound}; seed 1: {bound}; seed 2: {bound})"
