@@ -55,13 +55,32 @@ class TimeBudgetArgs:
     )
 
 
+_AGREED_ENV: list[str] = []  # rank 0's $TRL_FP8_TIME_BUDGET, once the processes of a run have agreed on it
+
+
+def env_budget() -> str:
+    """``$TRL_FP8_TIME_BUDGET`` (stripped; '' when unset), as the run's first process reads it. With several processes
+    (a process group initialized: the config's own ``__post_init__`` does it under torchrun) rank 0 reads it once
+    and broadcasts it, so a variable set on some nodes only cannot put the time budget (and its all-reduces) on some
+    ranks only. Every process must call it then: :meth:`TimeBudget.validate` does, whatever the field says. One
+    process: no collective, read each time."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return os.environ.get(ENV_VAR, "").strip()
+    if not _AGREED_ENV:
+        value = [os.environ.get(ENV_VAR, "").strip() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(value, src=0)  # NCCL: on the current GPU (set by accelerate's PartialState)
+        _AGREED_ENV.append(value[0] or "")
+    return _AGREED_ENV[0]
+
+
 def _budget_source(args) -> tuple[object, str]:
     """The budget asked for (the field, else the environment variable) and how to name it in an error."""
+    env = env_budget()  # first: every process takes part in the agreement, whatever its field says
     value = getattr(args, "time_budget", None)
-    if value is None:
-        env = os.environ.get(ENV_VAR, "").strip()
-        if env:
-            return env, f"{ENV_VAR} (time_budget)"
+    if value is None and env:
+        return env, f"{ENV_VAR} (time_budget)"
     return value, "time_budget"
 
 
