@@ -309,3 +309,23 @@ def test_a_sigterm_stopped_checkpoint_holds_the_state_at_the_end_of_its_step(tmp
     from safetensors.torch import load_file
 
     assert _same(load_file(a / "model.safetensors"), load_file(b / "model.safetensors")) == []
+
+
+def test_a_stop_saves_over_a_stale_checkpoint_of_an_earlier_run(tmp_path, demo_dir, sigterm_guard):
+    """An earlier run (max_steps=2) left checkpoint-2 in the same output_dir; this run (max_steps=5) starts afresh (no
+    resume) and is stopped in step 3. Its step 2 must be saved: the earlier run's checkpoint-2 is not this run's save
+    (before, it was taken for one, and a resume went on from the earlier run's state)."""
+    earlier = _trainer(demo_dir, tmp_path / "out", max_steps=2, save_strategy="steps", save_steps=1)
+    earlier.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["max_steps"] == 2
+    run = _trainer(demo_dir, tmp_path / "out", [SigtermAtStepBegin(2)], time_budget="10h", max_steps=5)
+    output = run.train()
+    assert run.state.global_step == 2 and output.metrics == {"stopped_in_step": 3}
+    _assert_complete(str(checkpoint), 2)
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["max_steps"] == 5  # this run's
+    # a checkpoint this run resumed from is its own: stopped again at once, it is not written again
+    again = _trainer(demo_dir, tmp_path / "out", [SigtermAtStepBegin(2)], time_budget="10h", max_steps=5)
+    before = os.stat(checkpoint / "trainer_state.json").st_mtime_ns
+    assert again.train(resume_from_checkpoint="auto").metrics == {"stopped_in_step": 3}
+    assert os.stat(checkpoint / "trainer_state.json").st_mtime_ns == before

@@ -43,6 +43,7 @@ def prepare_resume(trainer, resume_from_checkpoint, trial=None):
     if resume_from_checkpoint is None and getattr(args, "resume_from_checkpoint", None) == "auto":
         resume_from_checkpoint = "auto"
     run_dir = _trl.run_dir(trainer, trial)
+    own_checkpoint(trainer, None, reset=True)  # none yet: an earlier run's checkpoint-N is not this run's
     shared = storage_shared_with_main(trainer, run_dir)  # collectives: every process takes part
     if args.should_save and not shared:  # once per storage: savers sharing the main's leave it the clean-up
         for line in clean_stale(run_dir):
@@ -74,7 +75,19 @@ def prepare_resume(trainer, resume_from_checkpoint, trial=None):
                 "resume_from_checkpoint='auto' to take the newest complete checkpoint of output_dir."
             )
     check_settings(trainer, path)
+    own_checkpoint(trainer, path)
     return path
+
+
+def own_checkpoint(trainer, path: str | None, *, reset: bool = False) -> set[str]:
+    """The checkpoints that belong to this run: the one it resumed from and those it saved since (``reset`` at each
+    ``train()``: see :func:`prepare_resume`). A ``checkpoint-N`` an earlier run left in the same output_dir (one
+    started afresh since, resume off) is not among them, so a stop at step N writes this run's step N over it."""
+    own = set() if reset else getattr(trainer, "_trl_fp8_own_checkpoints", set())
+    if path is not None:
+        own.add(os.path.realpath(path))
+    trainer._trl_fp8_own_checkpoints = own
+    return own
 
 
 def finished_run(trainer, checkpoint: str | None):

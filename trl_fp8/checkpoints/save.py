@@ -15,6 +15,7 @@ from .._version import __version__
 from .complete import check_complete
 from .durable import commit, fsync_dir, remove_checkpoint, remove_tree, sync_tree, write_json
 from .layout import FORMAT, OWNER, SETTINGS, TMP_PREFIX, generation_state_file
+from .resume import own_checkpoint
 from .settings import settings_of
 from .staging import claim, staleness, storage_shared_with_main
 
@@ -47,6 +48,7 @@ def save_checkpoint(trainer, trial, states: dict | None = None) -> str:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+    own_checkpoint(trainer, final)
     if args.push_to_hub:
         _trl.push_checkpoint(trainer, final)
     if committer:
@@ -154,7 +156,8 @@ def save_stopped_run(trainer, trial):
     """After :class:`~trl_fp8.capability.StopNow` cut an optimizer step short: the weights, optimizer and scheduler are
     still those of the last complete step (its gradients were never applied), so that step's checkpoint is written
     — with TRL's generation buffer, the RNG states and the capabilities' states as they were at that step's end
-    (:mod:`trl_fp8.checkpoints.boundary`) — unless it exists already (saved at that step, or the one resumed from).
+    (:mod:`trl_fp8.checkpoints.boundary`) — unless this run has it already (saved at that step, or the one resumed
+    from; a ``checkpoint-N`` an earlier run left in the same output_dir is written over).
     Then the callbacks' ``on_train_end`` runs (trackers flush) and ``train()`` returns."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
@@ -172,7 +175,8 @@ def save_stopped_run(trainer, trial):
     step = state.global_step
     existing = os.path.join(_trl.run_dir(trainer, trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
     saved = None
-    if step > 0 and not check_complete(existing).complete:
+    mine = os.path.realpath(existing) in getattr(trainer, "_trl_fp8_own_checkpoints", ())  # not an earlier run's
+    if step > 0 and not (mine and check_complete(existing).complete):
         saved = save_checkpoint(trainer, trial, states)
     if state.is_world_process_zero:
         logger.warning("trl_fp8: the step in flight (%d) was stopped at a micro-batch/generation boundary; %s. Resume "
