@@ -14,9 +14,8 @@ A pure function of the plan's :class:`~trl_fp8.plan.spec.PlanSpec` (no torch, no
   the merged twin (2 B) and the served buffer (2 B) (+ 4 B residual); over a 4-bit base the dense twin (2 B) and the
   served buffer (2 B) (+ 4 B residual);
 - always: the fixed metric sample (``METRIC_ELEMENTS`` elements of the trained tensors: int64 indices on the device and
-  three fp32 samples: the previous master, the previous served values, the update's running mean). On CPU the indices
-  are slices of a full permutation of each tensor, which stays alive (8 B per trained element of host memory); on a
-  GPU ``.to(device)`` copies the slice alone.
+  three fp32 samples: the previous master, the previous served values, the update's running mean). The indices are
+  their own small tensors (cloned from a permutation of each tensor, which is then freed).
 """
 
 from __future__ import annotations

@@ -30,9 +30,10 @@ def automatic_cache_bytes(free: int) -> int:
 
 
 def _dense_bytes(spec) -> int:
-    """Every LoRA layer's base as a dense 16-bit weight (and bias)."""
+    """Every LoRA layer's base as a dense weight (and bias) in the dtype the model was loaded in: bitsandbytes
+    dequantizes to the dtype it quantized from (16-bit as usual; 4 B for an fp32-loaded 4-bit model)."""
     targets = spec.lora.targets
-    return sum(HALF * t.numel for t in spec.base_tensors()
+    return sum(spec.base_bytes * t.numel for t in spec.base_tensors()
                if t.kind in ("linear", "bias") and t.projection in targets)
 
 
@@ -45,7 +46,7 @@ def memory_rows(spec) -> list[Row]:
     keep = int(float(getattr(args, "qlora_keep_budget_gb", 0.25)) * GIB)
     if keep > 0:
         rows.append(Row("fast QLoRA dense copies of kept layers", min(keep, dense),
-                        f"2 B × base params of the kept layers (at most the {bytes_text(keep)} budget)", PERSISTENT,
+                        f"{spec.base_bytes} B × base params of the kept layers (at most the {bytes_text(keep)} budget)", PERSISTENT,
                         "fast_qlora", "fast_qlora/dense_copies", exact=False))
     owner = spec.extra.get("sampler_owner")  # whose sampler offer wins, as the plan resolves it (like the trainer)
     if spec.use_vllm:
