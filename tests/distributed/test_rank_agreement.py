@@ -49,3 +49,20 @@ def test_time_budget_from_the_environment_is_rank_0s_on_every_rank(tmp_path, tin
     a, b = _torchrun(tmp_path, "budget", tiny_model_dir)
     assert a == b, (a, b)
     assert a["time_budget"] == "2h" and "time_budget" in a["capabilities"]
+
+
+def test_every_rank_resumes_from_rank_0s_choice_or_all_refuse(tmp_path, tiny_model_dir):
+    """resume_from_checkpoint="auto" where rank 1 sees other checkpoints than rank 0 (node-local disks; rank 1's node
+    lost checkpoint-2): every rank takes rank 0's choice, and since rank 1 cannot load it every rank raises the same
+    error (before, rank 0 resumed from checkpoint-2 and rank 1 from checkpoint-1: replicas at different steps)."""
+    import trl_fp8
+    from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset
+
+    args = trl_fp8.GRPOConfig(output_dir=str(tmp_path / "seed-run"), use_cpu=True, bf16=False, max_steps=2,
+                              per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                              report_to="none", disable_tqdm=True, save_strategy="steps", save_steps=1)
+    trl_fp8.GRPOTrainer(model=tiny_model_dir, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                        args=args, train_dataset=make_arithmetic_dataset(16, seed=1)).train()
+    a, b = _torchrun(tmp_path, "resume", tiny_model_dir)
+    assert a == b, (a, b)
+    assert a["chosen"] is None and "checkpoint-2" in a["error"] and "rank 1" in a["error"], a

@@ -20,7 +20,7 @@ so, see :mod:`~trl_fp8.checkpoints.staging`) is left alone.
 **Reading** (:func:`prepare_resume`, what :meth:`trl_fp8.GRPOTrainer.train` runs first).
 ``resume_from_checkpoint="auto"`` (also read from ``args.resume_from_checkpoint`` when ``train()`` gets no argument)
 takes the newest complete checkpoint, else the one before (with a warning naming what was skipped and why), else
-starts fresh. ``True`` does the same but, as in transformers, raises when there is none. A path is used as given,
+starts fresh; with several processes rank 0 chooses, and every rank must see its choice complete. ``True`` does the same but, as in transformers, raises when there is none. A path is used as given,
 but refused when incomplete. Any checkpoint is refused (``ValueError`` naming the field) when trl_fp8 settings that
 shape the run's state differ from this run's (each capability lists them in ``resume_fields``).
 

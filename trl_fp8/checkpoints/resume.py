@@ -52,20 +52,14 @@ def prepare_resume(trainer, resume_from_checkpoint, trial=None):
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
-        how = "True" if resume_from_checkpoint is True else "'auto'"
-        path, skipped = newest_complete(trainer, run_dir)
+        # rank 0 chooses and every rank takes its choice: each rank's own view (node-local disks, a lagging network
+        # filesystem) could otherwise put the replicas at different steps
+        choice = _choose(trainer, run_dir, resume_from_checkpoint) if args.process_index == 0 else (None, None)
+        path, error = _agree(args, run_dir, choice)
+        if error is not None:
+            raise ValueError(error)
         if path is None:
-            why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
-            if resume_from_checkpoint is True:
-                raise ValueError(f"No valid checkpoint found in output directory ({run_dir}){why}")
-            (logger.warning if skipped else logger.info)(
-                "resume_from_checkpoint='auto': no complete checkpoint in %s%s; starting fresh.", run_dir, why)
             return None
-        if skipped:
-            logger.warning("resume_from_checkpoint=%s: skipping %s; resuming from %s.", how, "; ".join(skipped),
-                           os.path.basename(path))
-        else:
-            logger.info("resume_from_checkpoint=%s: resuming from %s.", how, path)
     else:
         path = os.fspath(resume_from_checkpoint)
         verdict = check_complete(path)
@@ -88,6 +82,50 @@ def own_checkpoint(trainer, path: str | None, *, reset: bool = False) -> set[str
         own.add(os.path.realpath(path))
     trainer._trl_fp8_own_checkpoints = own
     return own
+
+
+def _choose(trainer, run_dir: str, resume_from_checkpoint) -> tuple[str | None, str | None]:
+    """``"auto"`` / ``True``: (the newest complete checkpoint or None, the error to raise or None), logged."""
+    how = "True" if resume_from_checkpoint is True else "'auto'"
+    path, skipped = newest_complete(trainer, run_dir)
+    if path is None:
+        why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+        if resume_from_checkpoint is True:
+            return None, f"No valid checkpoint found in output directory ({run_dir}){why}"
+        (logger.warning if skipped else logger.info)(
+            "resume_from_checkpoint='auto': no complete checkpoint in %s%s; starting fresh.", run_dir, why)
+        return None, None
+    if skipped:
+        logger.warning("resume_from_checkpoint=%s: skipping %s; resuming from %s.", how, "; ".join(skipped),
+                       os.path.basename(path))
+    else:
+        logger.info("resume_from_checkpoint=%s: resuming from %s.", how, path)
+    return path, None
+
+
+def _agree(args, run_dir: str, choice: tuple[str | None, str | None]) -> tuple[str | None, str | None]:
+    """Rank 0's ``choice`` on every rank (one broadcast of its folder name, found in each rank's own ``run_dir``),
+    then every rank checks that it sees that checkpoint complete (one all-gather): when one does not, every rank gets
+    the same error. One process: ``choice``, no collective."""
+    import torch.distributed as dist
+
+    if args.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return choice
+    path, error = choice
+    box = [(None if path is None else os.path.basename(os.path.normpath(path)), error)]
+    dist.broadcast_object_list(box, src=0)
+    name, error = box[0]
+    path = None if name is None else os.path.join(run_dir, name)
+    verdict = check_complete(path) if path is not None else None
+    mine = None if verdict is None or verdict.complete else verdict.reason
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    missing = [f"rank {rank}: {why}" for rank, why in enumerate(seen) if why is not None]
+    if missing and error is None:
+        error = (f"Cannot resume from {name} (rank 0's newest complete checkpoint in output_dir): not every process "
+                 f"sees it complete ({'; '.join(missing)}). Every process must see the same checkpoints: a shared "
+                 "output_dir, or the same checkpoint-N folders on every node's disk.")
+    return path, error
 
 
 def finished_run(trainer, checkpoint: str | None):
