@@ -414,3 +414,50 @@ def test_a_state_file_that_does_not_load_names_the_checkpoint_and_the_capability
     with pytest.raises(ValueError, match=rf"Cannot resume from {folder}: the duet state \(duet_state.pt\) does not "
                                          "load"):
         ck.load_states(trainer, folder)
+
+
+def test_a_sharded_final_save_over_a_single_file_one_leaves_no_stale_weights(tmp_path, tiny_model_dir):
+    """save_final_model into a folder holding an earlier single-file save, now sharded (and back): the other format's
+    weight files are removed. Before, the old model.safetensors stayed beside the new shards and transformers,
+    which loads the single file first, loaded the old weights. (Checkpoints cannot mix formats: each is staged in a
+    fresh folder that replaces the old one whole.)"""
+    import functools
+
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(tmp_path, tiny_model_dir, max_steps=1, save_strategy="no")
+    out = str(tmp_path / "final")
+    ck.save_final_model(trainer, out)
+    assert "model.safetensors" in os.listdir(out)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)  # the new weights differ from the saved ones everywhere
+    single = trainer.model.save_pretrained
+    trainer.model.save_pretrained = functools.partial(single, max_shard_size="100KB")
+    ck.save_final_model(trainer, out)
+    names = sorted(os.listdir(out))
+    assert "model.safetensors.index.json" in names and "model.safetensors" not in names, names
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    ours = trainer.model.state_dict()
+    assert all(torch.equal(v, ours[k]) for k, v in loaded.state_dict().items())
+    trainer.model.save_pretrained = single  # and back to one file: the shards and their index go
+    ck.save_final_model(trainer, out)
+    names = sorted(os.listdir(out))
+    assert [n for n in names if n.startswith("model")] == ["model.safetensors"], names
+    again = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(v, ours[k]) for k, v in again.items())
+
+
+def test_a_checkpoint_saved_again_in_the_other_format_keeps_no_old_weights(tmp_path):
+    """A checkpoint is staged in a fresh folder that replaces the old one whole: a sharded re-save of a step saved as
+    one file before leaves no model.safetensors behind."""
+    _marked(tmp_path, 3)  # model.safetensors
+    tmp = os.path.join(tmp_path, "_tmp-checkpoint-3")
+    os.makedirs(tmp)
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"):
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write("shard")
+    ck.commit(tmp, os.path.join(tmp_path, "checkpoint-3"))
+    assert sorted(os.listdir(tmp_path / "checkpoint-3")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+        ck.MARKER]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 
 import torch
@@ -100,8 +101,9 @@ def save_final_model(trainer, output_dir: str) -> None:
     """``trainer.save_model(output_dir)``, never half-written: every process saves into
     ``<output_dir>/_tmp-final-model`` (DeepSpeed/FSDP gather there as usual), every file is fsync'd, then each is
     renamed into ``output_dir`` — the weights first, ``config.json`` and weight indexes last — and the folder is
-    fsync'd. A kill during the (long) write leaves the previous final model untouched; the renames take
-    milliseconds."""
+    fsync'd; then the earlier save's weight files of the other format (a single ``model.safetensors`` beside new
+    shards, which transformers would load first, or old shards) are removed. A kill during the (long) write leaves
+    the previous final model untouched; the renames take milliseconds."""
     args = trainer.args
     tmp = os.path.join(output_dir, TMP_PREFIX + "final-model")
     shared = storage_shared_with_main(trainer, output_dir)  # collectives: every process takes part
@@ -147,9 +149,23 @@ def _write_final_model(trainer, output_dir: str, tmp: str) -> None:
                 remove_tree(aside, f"the previous final {name}")
             else:
                 os.replace(src, dst)
+        for name in stale_weight_files(os.listdir(output_dir), names):  # last: until now the old weights load whole
+            os.remove(os.path.join(output_dir, name))
         fsync_dir(output_dir)
         remove_tree(tmp, "the emptied staging folder of the final save")
     trainer.accelerator.wait_for_everyone()
+
+
+_WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def stale_weight_files(present: list[str], written: list[str]) -> list[str]:
+    """The weight files in ``present`` that a save writing ``written`` leaves from an earlier save of the same kind
+    (full model or adapter), e.g. a single ``model.safetensors`` beside new shards and their index (transformers
+    loads the single file first) or old shards beside a new single file."""
+    kinds = {m.group(1).replace("pytorch_", "") for m in map(_WEIGHT_FILE.match, written) if m}
+    return sorted(name for name in present if name not in written and (m := _WEIGHT_FILE.match(name))
+                  and m.group(1).replace("pytorch_", "") in kinds)
 
 
 def save_stopped_run(trainer, trial):
