@@ -69,8 +69,8 @@ def test_every_rank_refuses_under_fsdp2(fsdp2, case):
     assert message.startswith(f"{name} is not supported with FSDP2 (asked for by an accelerate config "
                               "(ACCELERATE_USE_FSDP in the environment"), message
     assert OFF_HINTS[name] in message and "Run it on one process or with DDP" in message
-    if stage == "trainer":  # accelerate does not act on FSDP on a CPU machine: the request is refused all the same
-        assert "not active in this trainer" in message
+    # stage "trainer": accelerate does not act on FSDP on a CPU machine; the request is refused all the same, when the
+    # trainer checks its config again (GRPOConfig.validate_trl_fp8) or at its own start
 
 
 def test_the_defaults_are_not_refused_on_any_rank_under_fsdp2(fsdp2):
