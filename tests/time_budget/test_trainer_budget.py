@@ -315,7 +315,7 @@ def test_a_stop_saves_over_a_stale_checkpoint_of_an_earlier_run(tmp_path, demo_d
     """An earlier run (max_steps=2) left checkpoint-2 in the same output_dir; this run (max_steps=5) starts afresh (no
     resume) and is stopped in step 3. Its step 2 must be saved: the earlier run's checkpoint-2 is not this run's save
     (before, it was taken for one, and a resume went on from the earlier run's state)."""
-    earlier = _trainer(demo_dir, tmp_path / "out", max_steps=2, save_strategy="steps", save_steps=1)
+    earlier = _trainer(demo_dir, tmp_path / "out", time_budget="10h", max_steps=2, save_strategy="steps", save_steps=1)
     earlier.train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["max_steps"] == 2
