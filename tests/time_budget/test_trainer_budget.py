@@ -54,6 +54,8 @@ def _trainer(demo_dir, output_dir, callbacks=(), clock=None, **overrides):
         save_strategy="no", report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=3,
         time_budget=100, time_budget_margin=0,
     )
+    # the 100 s default is meant for the fake clock: a real one counts from the start of this (pytest) process
+    assert clock is not None or "time_budget" in overrides, "without a fake clock, pass time_budget explicitly"
     kwargs.update(overrides)
     trainer = GRPOTrainer(model=demo_dir, reward_funcs=[correctness_reward, format_reward], args=GRPOConfig(**kwargs),
                           train_dataset=make_arithmetic_dataset(200, seed=5), callbacks=list(callbacks))
