@@ -224,3 +224,20 @@ def test_a_fresh_cache_root_is_private_so_the_native_kernels_accept_it(monkeypat
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
     assert reason is None and held is not None
     held.close()
+
+
+@pytest.mark.parametrize("env", [{"TRL_FP8_CACHE": "explicit"}, {"XDG_CACHE_HOME": "xdg"}, {}])
+def test_the_model_cache_and_the_native_kernels_share_one_root(monkeypatch, tmp_path, env):
+    """$TRL_FP8_CACHE, else $XDG_CACHE_HOME/trl_fp8, else ~/.cache/trl_fp8 — for the models and the Fair Cast CPU
+    kernels alike (the models ignored XDG_CACHE_HOME before, so the two roots parted where it was set)."""
+    from trl_fp8.fair_cast import _native
+
+    monkeypatch.delenv("TRL_FP8_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value))
+    expected = {"TRL_FP8_CACHE": tmp_path / "explicit", "XDG_CACHE_HOME": tmp_path / "xdg" / "trl_fp8"}.get(
+        next(iter(env), None), tmp_path / "home" / ".cache" / "trl_fp8")
+    assert models.cache_root() == expected
+    assert _native._cache_dir() == expected

@@ -4,8 +4,8 @@
 
 :func:`resolve_model` turns such a name into a folder ``from_pretrained`` (TRL, vLLM) loads; any other string (a
 Hub id, a local folder) is returned as it is. ``trl_fp8.GRPOTrainer`` and ``trl-fp8 grpo`` call it, so the names
-work wherever a model id is accepted. SmolLM2 is converted once into a cached folder (``TRL_FP8_CACHE``, default
-``~/.cache/trl_fp8``; the root is created 0o700, as the Fair Cast CPU kernels sharing it require), written under a
+work wherever a model id is accepted. SmolLM2 is converted once into a cached folder (``TRL_FP8_CACHE``, else
+``$XDG_CACHE_HOME/trl_fp8``, else ``~/.cache/trl_fp8``; the root is created 0o700, as the Fair Cast CPU kernels sharing it require), written under a
 temporary name and renamed when complete — by one process at a time (a file lock beside the folder), so the ranks of
 a fresh multi-process run convert it once; the weights are saved in float32 and the dtype is chosen at load
 (``model_init_kwargs={"dtype": ...}``).
@@ -65,8 +65,13 @@ def names() -> tuple[str, ...]:
 
 
 def cache_root() -> Path:
+    """``$TRL_FP8_CACHE``, else ``$XDG_CACHE_HOME/trl_fp8``, else ``~/.cache/trl_fp8`` (the Fair Cast CPU kernels'
+    rule, so the two share one root)."""
     root = os.environ.get("TRL_FP8_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "trl_fp8"
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "trl_fp8"
 
 
 def private_cache_root() -> Path:

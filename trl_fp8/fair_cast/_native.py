@@ -181,10 +181,11 @@ _VECTOR_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "asimd", "sve", 
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TRL_FP8_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "trl_fp8"
-    )
-    return Path(root)
+    root = os.environ.get("TRL_FP8_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "trl_fp8"
 
 
 def resolve_isa(isa: str | None = None) -> str:
