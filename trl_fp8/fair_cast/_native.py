@@ -181,11 +181,9 @@ _VECTOR_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "asimd", "sve", 
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TRL_FP8_CACHE")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "trl_fp8"
+    from ..models import cache_root  # one rule for the models and the kernels
+
+    return cache_root()
 
 
 def resolve_isa(isa: str | None = None) -> str:
