@@ -14,7 +14,12 @@ Arms (``ARMS``):
              whether the allocator adds anything);
 - ``duet``   DUET full, β = 0.5 (allocation, the screening cold start, the marker-gated abort), 8 slots a prompt;
 - diagnostics, one seed: ``zv_skip`` (GRPO-8 whose all-same groups are dropped from the loss, DAPO-style, no
-  resampling: same tokens as GRPO-8) and ``duet_alloc`` (DUET's allocation only: no screening, no abort).
+  resampling: same tokens as GRPO-8) and ``duet_alloc`` (DUET's allocation only: no screening, no abort);
+- ``duet_refill`` (added after seed 0 of the arms above, as the issue's item 5, from their diagnostics -- not from the
+  held-out set): DUET full plus ``duet_refill_tries=8``: a step's idle prompts (every observed group had one reward)
+  are replaced by other prompts of the pool, so the budget DUET left unused (it spent 26 % of GRPO-8's tokens on seed
+  0, 41 % of its prompts got no rollout) goes where there is something to learn. Its three seeds run after the
+  essential arms; the target rule and everything else above are unchanged.
 
 x-axis: cumulative *generated* tokens (every completion token sampled, screening and aborted rollouts included;
 DUET's placeholders are not generated and count 0), with wall-clock and rollouts beside it.
@@ -84,9 +89,12 @@ ARMS = {
     "duet": dict(num_generations=8, duet=True, duet_budget=0.5),
     "zv_skip": dict(num_generations=8),  # plus the zero-variance skip (see ZeroVarianceSkip)
     "duet_alloc": dict(num_generations=8, duet=True, duet_budget=0.5, duet_screen=0, duet_abort_keep_prob=1.0),
+    "duet_refill": dict(num_generations=8, duet=True, duet_budget=0.5, duet_refill_tries=8),
 }
+DUET_ARMS = ("duet", "duet_refill")  # the arms whose tokens to target are set against GRPO-8's and GRPO-4's
 ESSENTIAL = ("grpo8", "grpo4", "duet")
-ORDER = [(arm, seed) for seed in SEEDS for arm in ESSENTIAL] + [("zv_skip", 0), ("duet_alloc", 0)]
+ORDER = ([(arm, seed) for seed in SEEDS for arm in ESSENTIAL] + [("zv_skip", 0), ("duet_alloc", 0)]
+         + [("duet_refill", seed) for seed in SEEDS])
 KEYS = ("bench", "arm", "seed", "steps")
 PROBE_STEPS = 2
 JSONL = os.path.join(HERE, "results", "duet_race_smollm2.jsonl")
@@ -293,7 +301,7 @@ def report(jsonl: str, plot: str | None = PLOT) -> list[str]:
                 f"{c['points'][-1][4] if c['points'] else float('nan'):.3f} | {'n/a' if a is None else f'{a:.3f}'} | "
                 f"{c['tokens']:,.0f} | {statistics.mean(zv) if zv else float('nan'):.3f} | "
                 f"{statistics.mean(aborts) if aborts else 0.0:.3f} | {c['seconds']:,.0f} |")
-    for arm in ("duet", "duet_alloc"):
+    for arm in ("duet", "duet_alloc", "duet_refill"):
         hist = {}
         for (a, _), c in curves.items():
             if a == arm:
@@ -304,32 +312,34 @@ def report(jsonl: str, plot: str | None = PLOT) -> list[str]:
             total = sum(hist.values())
             say(f"{arm} n_q histogram (prompts): " + ", ".join(f"{n}: {hist[n] / total:.3f}" for n in sorted(hist)))
     headline = {}
-    for base in ("grpo4", "grpo8"):
+    for duet, base in [(d, b) for d in DUET_ARMS[::-1] for b in ("grpo4", "grpo8")]:
         ratios, bounds = [], []
         for seed in SEEDS:
-            d, g = hits.get(("duet", seed)), hits.get((base, seed))
-            dc, gc = curves.get(("duet", seed)), curves.get((base, seed))
+            d, g = hits.get((duet, seed)), hits.get((base, seed))
+            dc, gc = curves.get((duet, seed)), curves.get((base, seed))
             if dc is None or gc is None or not (dc["done"] and gc["done"]) or target is None:
                 bounds.append(f"seed {seed}: pending")
             elif d and g:
                 ratios.append(d[1] / g[1])
             elif g:
-                bounds.append(f"seed {seed}: >= {dc['tokens'] / g[1]:.2f} (DUET did not reach it)")
+                bounds.append(f"seed {seed}: >= {dc['tokens'] / g[1]:.2f} ({duet} did not reach it)")
             elif d:
                 bounds.append(f"seed {seed}: <= {d[1] / gc['tokens']:.2f} ({base} did not reach it)")
             else:
                 bounds.append(f"seed {seed}: neither reached it")
         interval = bootstrap_mean(ratios) if len(ratios) > 1 else None
-        say(f"duet / {base} tokens to target, per seed: {', '.join(f'{x:.3f}' for x in ratios) or 'none'}; "
+        say(f"{duet} / {base} tokens to target, per seed: {', '.join(f'{x:.3f}' for x in ratios) or 'none'}; "
             f"{spread(ratios, '.3f')}" + (f"; bootstrap 95 % [{interval[0]:.3f}, {interval[1]:.3f}]" if interval
                                           else "") + (f"; {'; '.join(bounds)}" if bounds else ""))
-        headline[base] = (f"{statistics.mean(ratios):.3f}" if ratios else
-                          f"n/a ({'; '.join(bounds) if bounds else 'no seed pair'})")
+        headline[duet, base] = (f"{statistics.mean(ratios):.3f}" if ratios else
+                                f"n/a ({'; '.join(bounds) if bounds else 'no seed pair'})")
     if plot and curves:
         _plot(curves, target, plot)
         say(f"plot: {os.path.relpath(plot, os.path.dirname(HERE))}")
-    say(f"duet_tokens_to_target_over_grpo4: {headline['grpo4']}")
-    say(f"duet_tokens_to_target_over_grpo8: {headline['grpo8']}")
+    say(f"duet_refill_tokens_to_target_over_grpo4: {headline['duet_refill', 'grpo4']}")
+    say(f"duet_refill_tokens_to_target_over_grpo8: {headline['duet_refill', 'grpo8']}")
+    say(f"duet_tokens_to_target_over_grpo4: {headline['duet', 'grpo4']}")
+    say(f"duet_tokens_to_target_over_grpo8: {headline['duet', 'grpo8']}")
     return lines
 
 
@@ -340,7 +350,7 @@ def _plot(curves, target, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4")):
+    for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4", "C5")):
         for i, seed in enumerate(SEEDS):
             c = curves.get((arm, seed))
             if c is None or not c["points"]:

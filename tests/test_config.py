@@ -37,6 +37,7 @@ def test_defaults_leave_trl_fields_untouched(tmp_path):
         "duet_abort_keep_prob": 0.05, "duet_min_propensity": 0.05, "duet_max_weight": 1000.0, "duet_prior_strength": 0.0,
         "duet_abort_grace": None, "duet_abort_min_tokens": None, "duet_poll_every": None, "duet_screen": 2,
         "duet_screen_keep_prob": 0.1,
+        "duet_refill_tries": 0,
         "sync_checks": "default", "sync_check_interval": 1, "sync_check_action": "raise",
         "mxfp8": False, "mxfp8_kernel": "auto", "mxfp8_exclude": [r"(^|\.)lm_head$", "embed", r"(^|\.)(router|gate)$"],
         "fast_qlora": "off", "qlora_keep_budget_gb": 0.25, "qlora_rollout_cache_gb": None, "qlora_cache_dtype": "auto",

@@ -13,7 +13,8 @@ them; every hook has a do-nothing default, so a capability implements only what 
 - the sampler: ``offer(trainer)`` (a :class:`SamplerOffer`: stream, dtype, sampler, model, numerics), resolved once
   after set-up and installed by the trainer; ``sampler_ready(trainer, offer)`` once it is; ``before_sync`` /
   ``after_sync`` around every sync (the weight-sync checks observe them);
-- batch and loss: ``adjust_rewards(trainer, rewards)``, ``adjust_batch(trainer, output)``,
+- batch and loss: ``adjust_inputs(trainer, inputs)`` (the generation batch's dataset rows, before TRL reads them),
+  ``adjust_rewards(trainer, rewards)``, ``adjust_batch(trainer, output)``,
   ``on_policy_logps(trainer, inputs, logps)`` (the loss forward's per-token logprobs);
 - tensors: ``describe(model)`` (the :class:`~trl_fp8.numerics.TensorSpec` of each tensor it changes the numerics
   of, read from the modules);
@@ -261,6 +262,11 @@ class Capability:
         """After every sync; ``log`` (:class:`trl_fp8.samplers.SyncLog`) holds what was streamed."""
 
     # -- batch and loss ------------------------------------------------------------------------------------------
+    def adjust_inputs(self, trainer, inputs: list) -> list:
+        """The generation batch's dataset rows before TRL reads them (slot-aligned groups of ``num_generations``
+        rows); a capability may replace rows (e.g. DUET's refill). Returns the rows to use (a new list)."""
+        return inputs
+
     def adjust_rewards(self, trainer, rewards: torch.Tensor) -> torch.Tensor:
         return rewards
 

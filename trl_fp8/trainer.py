@@ -205,6 +205,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         self._rewards_withheld = False
+        for capability in self.capabilities.values():  # e.g. DUET's refill replaces idle prompts' rows
+            inputs = capability.adjust_inputs(self, inputs)
         self._generation_inputs = inputs  # the batch's dataset rows, slot-aligned: a generation path may score them
         try:
             output = super()._generate_and_score_completions(inputs)

@@ -7,6 +7,9 @@ embedded demo model and writes what the test compares to ``OUT/<scenario>.rank<r
 - ``ef``: Fair Cast EF + every check, greedy generation and a reward keyed by the *global* row (so one process with
   the same global batch computes the same losses): served digests and losses;
 - ``duet_keyed``: Fair Cast SR + every check + DUET with the same split-independent sampling and reward as ``ef``;
+- ``duet_refill``: DUET with ``duet_refill_tries`` on 6 recurring prompts, keyed sampling, and a reward that is flat
+  for the prompts with an even answer (their groups go idle, and the refill replaces them): the substitutes, plans and
+  losses, to compare with one process;
 - ``mxfp8``: MXFP8 + Fair Cast SR + every check, two steps;
 - ``qlora``: fast QLoRA (LoRA over the demo model in NF4) + Fair Cast SR + every check, two steps;
 - ``fault``: Fair Cast SR + every check; rank 1 (only) corrupts one weight of its sampler from the sync to step 1.
@@ -51,6 +54,13 @@ def row_reward(completions, trainer_state=None, **kwargs):
     start = _rank() * n
     step = trainer_state.global_step if trainer_state is not None else 0
     return [float(((start + i) * 7 + step * 3) % 5) / 4.0 for i in range(n)]
+
+
+def parity_reward(completions, answer, trainer_state=None, **kwargs):
+    """1 for every completion of a prompt with an even answer (a group with one reward: DUET's refill finds it
+    idle), else :func:`row_reward`'s value (keyed by the global row, so the groups differ)."""
+    keyed = row_reward(completions, trainer_state=trainer_state)
+    return [1.0 if int(a) % 2 == 0 else k for a, k in zip(answer, keyed, strict=True)]
 
 
 class KeyedGumbel:
@@ -107,6 +117,9 @@ def make_trainer(out, name, **fields):
     )
     kwargs.update(fields)
     reward = row_reward if name in KEYED else correctness_reward
+    rewards = [parity_reward] if name == "duet_refill" else [reward, row_reward]
+    data = (make_arithmetic_dataset(6, seed=3, max_operand=9) if name == "duet_refill" else
+            make_arithmetic_dataset(64, seed=3, max_operand=9))  # equal prompt lengths: no padding
     peft_config = None
     if kwargs.get("fast_qlora", "off") != "off":  # LoRA over the demo model in NF4 (bitsandbytes' CPU backend)
         from peft import LoraConfig
@@ -116,8 +129,7 @@ def make_trainer(out, name, **fields):
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)}
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
     return trl_fp8.GRPOTrainer(
-        model=demo_model_path(), reward_funcs=[reward, row_reward], args=trl_fp8.GRPOConfig(**kwargs),
-        train_dataset=make_arithmetic_dataset(64, seed=3, max_operand=9),  # equal prompt lengths: no padding
+        model=demo_model_path(), reward_funcs=rewards, args=trl_fp8.GRPOConfig(**kwargs), train_dataset=data,
         peft_config=peft_config,
     )
 
@@ -277,12 +289,14 @@ def check_zero_against_reference(trainer, record):
     trainer.add_callback(Reference())
 
 
-KEYED = ("ef", "duet_keyed")  # split-independent sampling and the global-row reward: comparable with one process
+KEYED = ("ef", "duet_keyed", "duet_refill")  # split-independent sampling and the global-row reward: comparable with one process
 SCENARIOS = {
     "duet_sr": dict(fair_cast="stochastic", duet=True, duet_budget=0.5),
     "ef": dict(fair_cast="error_feedback", generation_kwargs={"do_sample": False}, beta=0.1),
     "duet_keyed": dict(fair_cast="stochastic", duet=True, duet_budget=0.5, generation_kwargs={"do_sample": False},
                        beta=0.1),
+    "duet_refill": dict(fair_cast="stochastic", duet=True, duet_budget=0.5, duet_screen=0, duet_refill_tries=6,
+                        max_steps=7, generation_kwargs={"do_sample": False}, beta=0.1),
     "mxfp8": dict(fair_cast="stochastic", mxfp8=True, max_steps=2),
     "qlora": dict(fast_qlora="on", fair_cast="stochastic", lora_serving="merged", max_steps=2, learning_rate=1e-3),
     "fault": dict(fair_cast="stochastic", max_steps=3),

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "ddp_worker.py")
-SCENARIOS = ("duet_sr", "ef", "duet_keyed", "mxfp8", "qlora", "fault", "replica_fault", "sigterm")
+SCENARIOS = ("duet_sr", "ef", "duet_keyed", "duet_refill", "mxfp8", "qlora", "fault", "replica_fault", "sigterm")
 
 
 def _env():
@@ -45,7 +45,7 @@ def runs(tmp_path_factory):
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(_free_port()), WORKER, str(two), ",".join(SCENARIOS)],
         capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
-    single = subprocess.run([sys.executable, WORKER, str(one), "ef,duet_keyed"], capture_output=True, text=True,
+    single = subprocess.run([sys.executable, WORKER, str(one), "ef,duet_keyed,duet_refill"], capture_output=True, text=True,
                             timeout=600, env=_env(), cwd=ROOT)
     assert single.returncode == 0, single.stderr[-4000:]
     return {"two": two, "one": one, "launch": launch}
@@ -138,6 +138,26 @@ def test_duet_plans_as_one_process_with_the_same_global_batch(runs):
     for key, tol in (("duet/tokens", 0.0), ("duet/rollouts_per_prompt/mean", 0.0), ("loss", 1e-4)):
         x, y = _metric_series(two[0], key), _metric_series(one, key)
         assert len(x) == len(y) == 3 and x == pytest.approx(y, rel=tol, abs=1e-7), key
+
+
+def test_duet_refill_draws_the_same_substitutes_on_two_ranks_as_on_one_process(runs):
+    """The refill decides for the global batch with the controller's stream: on 2 ranks it replaces the same idle
+    prompts by the same substitutes as one process (the same plans, weights, token counts and losses follow), and it
+    did replace some (the even-answer prompts go idle once seen)."""
+    two = _load(runs["two"], "duet_refill", 2)
+    one = _load(runs["one"], "duet_refill", 1)[0]
+    assert two[0]["error"] is None and one["error"] is None
+    refilled = _metric_series(one, "duet/refilled_frac")
+    assert len(refilled) == 7 and sum(refilled) > 0
+    assert [d["counts"] for d in two[0]["duet"]] == [d["counts"] for d in two[1]["duet"]] == \
+        [d["counts"] for d in one["duet"]]
+    assert [d["global"] for d in two[0]["duet"]] == [d["global"] for d in one["duet"]]
+    # the loss within 1e-3: 7 steps of DDP's gradient all-reduce (a different summation order) drift it by ~2e-4
+    for key, tol in (("duet/refilled_frac", 0.0), ("duet/idle_prompts_frac", 0.0), ("duet/tokens", 0.0),
+                     ("loss", 1e-3)):
+        for rank in two:
+            x, y = _metric_series(rank, key), _metric_series(one, key)
+            assert len(x) == len(y) == 7 and x == pytest.approx(y, rel=tol, abs=1e-7), key
 
 
 def test_sigterm_to_one_rank_mid_generation_stops_both_at_the_next_boundary(runs):

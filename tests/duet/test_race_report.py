@@ -74,8 +74,13 @@ def test_complete_records_give_the_pre_registered_target_and_the_ratios(tmp_path
         _write(path, "grpo8", seed, grpo, 640.0)
         _write(path, "grpo4", seed, grpo, 320.0)  # same curve per step, half the tokens: the target at `half` too
         _write(path, "duet", seed, [0.1, target + 0.01] + [target + 0.02] * (n_evals - 2), 320.0)  # at step `every`
+    _write(path, "duet_refill", 0, [0.1, 0.1, target] + [target] * (n_evals - 3), 320.0)  # at 2 * every, seed 0 only
     lines = duet_race.report(path, plot=None)
     assert lines[3].startswith(f"target: {target:.4f} (GRPO-8 at step {half}")
+    assert lines[-3] == f"duet_refill_tokens_to_target_over_grpo8: {2 * every * 320 / (half * 640):.3f}"
+    assert lines[-4] == f"duet_refill_tokens_to_target_over_grpo4: {2 * every * 320 / (half * 320):.3f}"
+    per_seed = f"duet_refill / grpo8 tokens to target, per seed: {2 * every * 320 / (half * 640):.3f}; "
+    assert any(line.startswith(per_seed) and "seed 1: pending" in line for line in lines)
     row = next(line for line in lines if line.startswith("| duet | 0 |"))
     assert f"| {every * 320:,} | {every * 16} | {every} |" in row  # tokens, rollouts (16 a step from n_q), seconds
     assert lines[-2] == f"duet_tokens_to_target_over_grpo4: {every * 320 / (half * 320):.3f}"
@@ -100,5 +105,5 @@ def test_a_grpo8_that_has_not_learnt_does_not_make_a_target_noise_reaches(tmp_pa
     assert next(line for line in lines if line.startswith("| grpo8 | 0 |")).split(" | ")[3] == f"{grpo_tokens:,}"
     duet_total = duet_race.STEPS * 320
     assert next(line for line in lines if line.startswith("| duet | 0 |")).split(" | ")[3] == f">= {duet_total:,}"
-    bound = f">= {duet_total / grpo_tokens:.2f} (DUET did not reach it)"
+    bound = f">= {duet_total / grpo_tokens:.2f} (duet did not reach it)"
     assert lines[-1] == f"duet_tokens_to_target_over_grpo8: n/a (seed 0: {bound}; seed 1: {bound}; seed 2: {bound})"

@@ -90,6 +90,19 @@ class DuetArgs:
         metadata={"help": "trl_fp8: DUET probability that a cold prompt whose screening group got one reward still "
                   "gets the rest of its rollouts (then weighted 1/p, which keeps the gradient unbiased), in (0, 1]."},
     )
+    duet_refill_tries: int = field(
+        default=0,
+        metadata={"help": "trl_fp8: DUET refill: a prompt of the step whose every observed group had one reward (and "
+                  "that is not due for a re-probe) is replaced by another prompt of the training set, the first of "
+                  "up to this many random draws that is neither in the step nor idle itself, so the step's budget "
+                  "goes to prompts with something to teach (as DAPO's dynamic sampling). 0: off. Needs a map-style "
+                  "train_dataset."},
+    )
+
+
+def prompt_key(ids) -> str:
+    """DUET's key of a prompt: a hash of its token ids (the statistics are kept per key)."""
+    return hashlib.sha1(repr([int(t) for t in ids]).encode()).hexdigest()
 
 
 PAPER_CAP = 3072  # the reference's completion cap; its length knobs below are scaled from it
@@ -166,6 +179,7 @@ class Duet(Capability):
             raise ValueError("duet_screen=1 is not allowed: one rollout's reward cannot show whether a prompt's "
                              "outcomes differ. Use 0 (no screening) or >= 2 (the default is 2).")
         check_fraction("duet_screen_keep_prob", args.duet_screen_keep_prob)
+        check_int("duet_refill_tries", args.duet_refill_tries, 0)
         if args.duet_n_max is not None and args.duet_n_max > args.num_generations:
             raise ValueError(f"duet_n_max={args.duet_n_max} exceeds num_generations={args.num_generations} (the "
                              "slots per prompt).")
@@ -204,6 +218,13 @@ class Duet(Capability):
             logger.info("duet_screen: a reward model is among the reward functions; screening scores rollouts "
                         "inside the generation step with reward functions only, so it is off for this run.")
             screen = 0
+        self.refill_tries = a.duet_refill_tries
+        if self.refill_tries:
+            data = trainer.train_dataset
+            if data is None or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")) or not len(data):
+                raise ValueError(f"duet_refill_tries={self.refill_tries} draws substitute prompts from the training "
+                                 f"set by index: it needs a non-empty map-style train_dataset (a datasets.Dataset or "
+                                 f"a list), got {type(data).__name__}. Set duet_refill_tries=0 for an iterable one.")
         self.controller = DuetController(
             budget=a.duet_budget, slots=trainer.num_generations, n_min=a.duet_n_min, n_max=a.duet_n_max,
             markers=a.duet_markers, keep_prob=a.duet_abort_keep_prob, min_propensity=a.duet_min_propensity,
@@ -225,6 +246,42 @@ class Duet(Capability):
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
+
+    # -- the step's prompts: idle ones replaced (duet_refill_tries) ----------------------------------------------
+    def adjust_inputs(self, trainer, inputs: list) -> list:
+        """With ``duet_refill_tries``, the batch's idle prompts replaced by other prompts of the training set
+        (:meth:`DuetController.refill`): every slot row of a replaced group becomes the substitute's dataset row, so
+        TRL tokenizes, generates and scores the substitute as if the sampler had drawn it. The decision is made for
+        the global batch on every rank alike (the prompt keys are gathered: a collective every rank reaches); each
+        rank then replaces its own groups."""
+        if not self.refill_tries or not trainer.model.training:
+            return inputs
+        slots = trainer.num_generations
+        if len(inputs) % slots:
+            raise ValueError(f"DUET expects whole groups of {slots} slots, got {len(inputs)} rows.")
+
+        def key_of(row) -> str:
+            return prompt_key(trainer._tokenize_prompts([row["prompt"]])[0][0])
+
+        local = [key_of(inputs[g * slots]) for g in range(len(inputs) // slots)]
+        everyone = distributed.gather_objects(local)
+        first = sum(len(part) for part in everyone[:distributed.rank()])
+        keys = [k for part in everyone for k in part]
+        data = trainer.train_dataset
+
+        def draw(rng):
+            row = data[rng.randrange(len(data))]
+            return row, key_of(row)
+
+        substitutes, idle = self.controller.refill(keys, draw, self.refill_tries)
+        out = list(inputs)
+        for q, row in substitutes.items():
+            if first <= q < first + len(local):
+                g = q - first
+                out[g * slots:(g + 1) * slots] = [dict(row) for _ in range(slots)]
+        _trl.record_metric(trainer, "duet/idle_prompts_frac", idle / len(keys))
+        _trl.record_metric(trainer, "duet/refilled_frac", len(substitutes) / len(keys))
+        return out
 
     # -- generation: DUET replaces the path --------------------------------------------------------------------
     def generation_path(self, trainer):
@@ -298,7 +355,7 @@ class Duet(Capability):
         if len(all_ids) % slots:
             raise ValueError(f"DUET expects whole groups of {slots} slots, got {len(all_ids)} prompts.")
         groups = len(all_ids) // slots
-        keys = [hashlib.sha1(repr(list(all_ids[g * slots])).encode()).hexdigest() for g in range(groups)]
+        keys = [prompt_key(all_ids[g * slots]) for g in range(groups)]
         full_length = self.controller.stats.cold_length()
         plan = self.controller.plan(keys)
         results: dict[int, tuple] = {}  # this rank's global rows -> (completion_ids, Σ log π, token logprobs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -87,6 +88,40 @@ class DuetController:
         self.quantiles.load_state_dict(state["quantiles"])
         rng = state["rng"]
         self.rng.setstate((int(rng["version"]), tuple(int(x) for x in rng["internal"]), rng["gauss_next"]))
+
+    def refill(self, keys: list[str], draw: Callable[[random.Random], tuple[object, str]],
+               tries: int) -> tuple[dict[int, object], int]:
+        """Substitutes for the batch's idle prompts: the unused budget goes to other prompts of the pool.
+
+        A prompt is idle when it is warm, every group observed of it had one reward throughout, and it is not due
+        for a re-probe (:meth:`PromptStats.idle`): its group would teach nothing, so the allocator would give it
+        nothing (or a coin's ``n_min``), and with the step's prompts fixed that share of the budget went unused.
+        For each idle prompt, in batch order, up to ``tries`` candidates ``(payload, key) = draw(rng)`` are drawn
+        from the pool with the controller's stream (so every rank of a DDP run draws the same); the first whose key
+        is not in the batch (nor taken by an earlier substitute) and is not idle itself replaces it. A replaced
+        prompt counts one allocation (:meth:`PromptStats.touch`), so it still comes due for its re-probe; an idle
+        prompt without a substitute stays and is allocated as before.
+
+        This changes which prompts a step trains on, towards those whose groups had reward variance (DAPO's dynamic
+        sampling and GRESO's pre-rollout filter do the same): a group whose rewards are all equal has advantage 0 and
+        no gradient under GRPO, so what is dropped is what would have added nothing, while the re-probe keeps the
+        skipped prompts observed. Returns ``({batch index: payload of its substitute}, number of idle prompts)``."""
+        if tries < 0:
+            raise ValueError(f"tries must be >= 0, got {tries}")
+        idle = [q for q, key in enumerate(keys) if self.stats.idle(key)]
+        taken = set(keys)
+        substitutes: dict[int, object] = {}
+        for q in idle:
+            for _ in range(tries):
+                payload, key = draw(self.rng)
+                if key in taken or self.stats.idle(key):
+                    continue
+                substitutes[q] = payload
+                taken.add(key)
+                break
+        for q in substitutes:
+            self.stats.touch(keys[q])
+        return substitutes, len(idle)
 
     def plan(self, keys: list[str]) -> BatchPlan:
         """Rollouts per prompt for this batch. With screening on (``screen > 0``), a cold prompt (never observed) that

@@ -110,6 +110,22 @@ class PromptStats:
         self.groups = int(state.get("groups", 0))  # absent in checkpoints written before shrinkage: start afresh
         self.mean_all = float(state.get("mean_all", 0.0))
 
+    def idle(self, key: str) -> bool:
+        """Whether ``key`` is warm, every group observed of it had one reward throughout (informativeness 0: its
+        advantages were all 0), and it is not due for a re-probe at its next allocation: a prompt a step can skip
+        (see :meth:`trl_fp8.duet.controller.DuetController.refill`). Counts nothing."""
+        e = self._table.get(key)
+        if e is None or e.mean_s > 0:
+            return False
+        return not (self.reprobe_every > 0 and e.since_update + 1 > self.reprobe_every)
+
+    def touch(self, key: str) -> None:
+        """Count one allocation of a warm ``key`` that a step looked at and skipped (as :meth:`lookup` counts one),
+        so that a skipped prompt still comes due for its re-probe; a cold key is left alone."""
+        e = self._table.get(key)
+        if e is not None:
+            e.since_update += 1
+
     def lookup(self, keys: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(s, L, warm, reprobe) tensors for ``keys``; counts one allocation for each warm key."""
         s, lengths, warm, reprobe = [], [], [], []
