@@ -86,9 +86,10 @@ TARGET_RULE = ("max(mean over GRPO-8's seeds of its held-out accuracy at step ST
 ARMS = {
     "grpo8": dict(num_generations=8),
     "grpo4": dict(num_generations=4),
-    "duet": dict(num_generations=8, duet=True, duet_budget=0.5),
+    "duet": dict(num_generations=8, duet=True, duet_budget=0.5, duet_refill_tries=0),  # as pre-registered: no refill
     "zv_skip": dict(num_generations=8),  # plus the zero-variance skip (see ZeroVarianceSkip)
-    "duet_alloc": dict(num_generations=8, duet=True, duet_budget=0.5, duet_screen=0, duet_abort_keep_prob=1.0),
+    "duet_alloc": dict(num_generations=8, duet=True, duet_budget=0.5, duet_screen=0, duet_abort_keep_prob=1.0,
+                       duet_refill_tries=0),
     "duet_refill": dict(num_generations=8, duet=True, duet_budget=0.5, duet_refill_tries=8),
 }
 DUET_ARMS = ("duet", "duet_refill")  # the arms whose tokens to target are set against GRPO-8's and GRPO-4's
