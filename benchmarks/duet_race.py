@@ -113,15 +113,18 @@ def _trainer_class(arm: str):
         return trl_fp8.GRPOTrainer
 
     class ZeroVarianceSkip(trl_fp8.GRPOTrainer):
-        """GRPO whose all-same groups leave the loss (their completion mask is zeroed, so they no longer count in
-        the token normaliser either): DAPO's filter without its resampling."""
+        """GRPO whose all-same groups leave the loss (their completion mask is zeroed, and the token normaliser
+        recounted without them): DAPO's filter without its resampling."""
 
         def _generate_and_score_completions(self, inputs):
+            from trl_fp8 import _trl
+
             out = super()._generate_and_score_completions(inputs)
             g = self.num_generations
             adv = out["advantages"].view(-1, g)
             keep = (adv.abs().sum(1) > 0).repeat_interleave(g)
             out["completion_mask"] = out["completion_mask"] * keep.unsqueeze(1).to(out["completion_mask"].dtype)
+            _trl.recount_items(self, out)  # TRL counted the normaliser before: without this the arm is GRPO-8
             return out
 
     return ZeroVarianceSkip

@@ -13,6 +13,7 @@ from trl_fp8 import _trl
 # sha256[:16] of the source of each block in _trl.MIRRORED, as of the tested TRL (see _trl.TESTED_TRL).
 FINGERPRINTS = {
     "trl.trainer.grpo_trainer.GRPOTrainer._generate_single_turn": "8d066ab0cfcce8fa",
+    "trl.trainer.grpo_trainer.GRPOTrainer._generate_and_score_completions": "b326370a0a956b60",
     "trl.trainer.grpo_trainer.GRPOTrainer._compute_loss": "46299536a65d11c4",
     "trl.trainer.grpo_trainer.GRPOTrainer.log": "109598e7cb234198",
     "trl.trainer.utils.add_fused_lm_head": "c309684c7d7599a8",

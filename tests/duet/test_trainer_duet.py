@@ -72,6 +72,18 @@ def test_placeholder_slots_carry_no_gradient_and_real_rollouts_follow_the_plan(t
     assert 0.3 < logged["duet/tokens_saved_frac"] < 0.7
 
 
+def test_the_loss_normaliser_counts_only_the_rows_left_in_the_loss(tmp_path, demo_dir):
+    """TRL counts ``num_items_in_batch`` (the dapo loss's normaliser) before DUET masks placeholders and aborted
+    rollouts out: it is recounted, so the rows DUET leaves out do not shrink the others' gradient."""
+    trainer = _trainer(tmp_path, demo_dir, cls=_Spy, duet_budget=0.5)
+    trainer.train()
+    assert trainer.seen
+    for (rows, plan), out in trainer.seen:
+        kept = int(out["completion_mask"].sum())
+        assert int(out["num_items_in_batch"]) == kept
+        assert len(rows) < out["completion_mask"].size(0)  # placeholders were there to leave out
+
+
 def test_repeated_prompts_warm_the_surrogate(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, dataset=make_arithmetic_dataset(8, seed=1), max_steps=6)
     trainer.train()

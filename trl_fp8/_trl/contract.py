@@ -59,6 +59,9 @@ MIRRORED = {
     "trl.generation.vllm_generation.VLLMGeneration.generate":
         "colocate builds SamplingParams from n=1, repetition_penalty, temperature, top_p, top_k, min_p, max_tokens, "
         "logprobs, then generation_kwargs, then structured outputs (vllm_sampling_kwargs mirrors it for DUET)",
+    "trl.trainer.grpo_trainer.GRPOTrainer._generate_and_score_completions":
+        "num_items_in_batch (the dapo normaliser) is the gathered sum of completion_mask (x tool_mask), counted before "
+        "the batch is returned: recount_items recounts it after DUET masks placeholder and aborted rows",
     "trl.trainer.grpo_trainer.GRPOTrainer._compute_loss":
         "its first _get_per_token_logps_and_entropies call is the policy's forward on the batch",
     "trl.trainer.grpo_trainer.GRPOTrainer.log": "averages and clears self._metrics[mode] (our metrics sink)",

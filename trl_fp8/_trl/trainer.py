@@ -17,6 +17,17 @@ def record_metric(trainer, name: str, value: float) -> None:
     trainer._metrics[mode][name].append(float(value))
 
 
+def recount_items(trainer, output: dict) -> None:
+    """Recount ``output["num_items_in_batch"]`` after a capability masked rows out of the loss. TRL 1.16 counts it in
+    ``_generate_and_score_completions`` from ``completion_mask`` (times ``tool_mask``) summed over the processes,
+    *before* returning the batch; it is the ``dapo`` loss's normaliser, so masked rows counted there would shrink
+    every other row's gradient. A collective: every rank calls it."""
+    mask = output["completion_mask"]
+    if output.get("tool_mask") is not None:
+        mask = mask * output["tool_mask"]
+    output["num_items_in_batch"] = trainer.accelerator.gather(mask.sum()).sum()
+
+
 def _reward_metric_names(trainer) -> list[str]:
     """The metrics TRL's ``_generate_and_score_completions`` derives from the rewards of one batch (trl 1.16)."""
     names = ["reward", "reward_std", "frac_reward_zero_std"]

@@ -498,5 +498,6 @@ class Duet(Capability):
         output["advantages"] = advantages * local
         output["completion_mask"] = output["completion_mask"] * (~excluded[start:stop]).unsqueeze(1).to(
             output["completion_mask"].dtype).to(output["completion_mask"].device)
+        _trl.recount_items(trainer, output)  # placeholders and aborted rollouts out of the loss's token count too
         self.batch = None
         return output
