@@ -71,6 +71,24 @@ def is_done(path: str, key: dict) -> bool:
     return any(run["done"] and run["key"] == key for run in load_runs(path, tuple(key)).values())
 
 
+def code_commit() -> str | None:
+    """The git commit of the code a run (or a resumed part of it) started from, "+dirty" when the work tree had
+    uncommitted changes; None outside a git checkout."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "../trl_fp8",
+                                "../benchmarks/*.py"], cwd=here, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def append(path: str, record: dict) -> None:
     """One JSON line, flushed and fsynced (a record written is a record kept)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -107,7 +125,8 @@ def recorder(path: str, key: dict, eval_every: int, evaluate: Callable | None, s
                           "eval_seconds": round(time.perf_counter() - t0, 1)})
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            append(path, {**key, "kind": "start", "from_step": state.global_step, "time": time.time()})
+            append(path, {**key, "kind": "start", "from_step": state.global_step, "time": time.time(),
+                          "commit": code_commit()})
             if state.global_step == 0:
                 self._eval(model, 0)
 

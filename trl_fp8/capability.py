@@ -262,6 +262,10 @@ class Capability:
         """After every sync; ``log`` (:class:`trl_fp8.samplers.SyncLog`) holds what was streamed."""
 
     # -- batch and loss ------------------------------------------------------------------------------------------
+    # True: this capability masks whole rows out of the loss (DUET's placeholders): the trainer then leaves rows
+    # with an all-zero loss mask out of the loss's forward and backward where that is exact (_trl.drop_masked_rows)
+    drops_masked_rows = False
+
     def adjust_inputs(self, trainer, inputs: list) -> list:
         """The generation batch's dataset rows before TRL reads them (slot-aligned groups of ``num_generations``
         rows); a capability may replace rows (e.g. DUET's refill). Returns the rows to use (a new list)."""

@@ -216,6 +216,11 @@ class GRPOTrainer(_TRLGRPOTrainer):
             _trl.drop_reward_metrics_of_last_batch(self)
         for capability in self.capabilities.values():
             output = capability.adjust_batch(self, output)
+        dropping = [c.name for c in self.capabilities.values() if c.drops_masked_rows]
+        if self.model.training and dropping:
+            output, dropped = _trl.drop_masked_rows(self, output)  # e.g. DUET's placeholders: no loss pass on them
+            _trl.record_metric(self, f"{dropping[0]}/loss_rows_dropped_frac",
+                               dropped / (dropped + output["completion_mask"].size(0)))
         return output
 
     # Mirrors trl 1.16 GRPOTrainer._compute_loss: its first _get_per_token_logps_and_entropies call is the policy's

@@ -51,6 +51,7 @@ def demo_dir():
 
 def test_placeholder_slots_carry_no_gradient_and_real_rollouts_follow_the_plan(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, cls=_Spy, duet_budget=0.5)
+    trainer.capability("duet").drops_masked_rows = False  # the whole slot layout (the placeholders stay in the batch)
     trainer.train()
     assert trainer.seen
     for (rows, plan), out in trainer.seen:
@@ -81,7 +82,7 @@ def test_the_loss_normaliser_counts_only_the_rows_left_in_the_loss(tmp_path, dem
     for (rows, plan), out in trainer.seen:
         kept = int(out["completion_mask"].sum())
         assert int(out["num_items_in_batch"]) == kept
-        assert len(rows) < out["completion_mask"].size(0)  # placeholders were there to leave out
+        assert len(rows) < 32  # placeholders were there to leave out
 
 
 def test_repeated_prompts_warm_the_surrogate(tmp_path, demo_dir):
@@ -294,3 +295,78 @@ def test_sigterm_cuts_duets_generation_in_flight(tmp_path, demo_dir):
     assert trainer.state.global_step == 2 and output.metrics == {"stopped_in_step": 3}
     assert [d for d in os.listdir(tmp_path / "run") if d.startswith("checkpoint-")] == ["checkpoint-2"]
     assert received == []
+
+
+def test_rows_left_out_of_the_loss_skip_its_pass_and_the_training_is_the_same(tmp_path, demo_dir, monkeypatch):
+    """DUET's placeholder rows (all-zero loss mask) leave the batch before the loss's forward and backward: the
+    logged losses and gradient norms equal those of the whole batch (dapo, the default: a masked row adds nothing)."""
+    from trl_fp8.duet.component import Duet
+
+    def run(name, drop):
+        monkeypatch.setattr(Duet, "drops_masked_rows", drop)
+        trainer = _trainer(tmp_path / name, demo_dir, cls=_Spy, duet_budget=0.5, sync_checks="off")
+        trainer.train()
+        rows = [out["completion_mask"].size(0) for _, out in trainer.seen]
+        logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+        dropped = [h.get("duet/loss_rows_dropped_frac") for h in trainer.state.log_history if "grad_norm" in h]
+        return rows, logs, dropped
+
+    whole, whole_logs, none = run("whole", False)
+    compact, compact_logs, dropped = run("compact", True)
+    assert whole == [32] * 3 and all(r < 32 for r in compact) and none == [None] * 3
+    assert dropped == pytest.approx([1 - r / 32 for r in compact])
+    # the first step: the same loss and gradient norm (later steps sample differently: TRL's shuffle of the batch
+    # draws a permutation of its length from the global generator, so a shorter batch moves the stream)
+    assert compact_logs[0] == pytest.approx(whole_logs[0], rel=1e-5, abs=1e-7)
+    assert abs(whole_logs[0][1]) > 0  # a real gradient, not a vacuous zero
+
+
+def test_a_batch_without_its_masked_rows_gives_the_same_loss_and_gradient(tmp_path, demo_dir):
+    """On one captured batch: TRL's loss and every parameter's gradient, whole and without the all-masked rows."""
+    from trl_fp8 import _trl
+
+    trainer = _trainer(tmp_path, demo_dir, cls=_Spy, duet_budget=0.5, sync_checks="off", max_steps=1)
+    trainer.capability("duet").drops_masked_rows = False
+    trainer.train()
+    (_, batch), = trainer.seen
+    compact, dropped = _trl.drop_masked_rows(trainer, batch)
+    assert dropped > 0
+
+    def loss_and_grads(inputs):
+        trainer.model.zero_grad()
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    loss_whole, grads_whole = loss_and_grads(batch)
+    loss_compact, grads_compact = loss_and_grads(compact)
+    assert loss_compact == pytest.approx(loss_whole, rel=1e-5, abs=1e-8)
+    assert len(grads_whole) == len(grads_compact) > 0 and any(g.abs().sum() > 0 for g in grads_whole)
+    for a, b in zip(grads_whole, grads_compact, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def test_dropping_masked_rows_keeps_a_multiple_of_the_micro_batches_and_other_losses_whole():
+    from types import SimpleNamespace
+
+    from trl_fp8 import _trl
+
+    mask = torch.zeros(8, 3, dtype=torch.long)
+    mask[[1, 4, 6], 0] = 1
+    batch = {"completion_mask": mask, "advantages": torch.arange(8.0), "prompt_ids": torch.arange(16).view(8, 2),
+             "num_items_in_batch": torch.tensor(3), "old_per_token_logps": None}
+
+    def trainer(loss_type="dapo", steps=1):
+        return SimpleNamespace(loss_type=loss_type, args=SimpleNamespace(steps_per_generation=steps))
+
+    out, dropped = _trl.drop_masked_rows(trainer(), batch)
+    assert dropped == 5 and out["advantages"].tolist() == [1.0, 4.0, 6.0] and out["prompt_ids"][:, 0].tolist() == [2, 8, 12]
+    assert out["num_items_in_batch"] is batch["num_items_in_batch"] and out["old_per_token_logps"] is None
+    out, dropped = _trl.drop_masked_rows(trainer(steps=2), batch)  # 4 rows: the 3 kept and the first masked one
+    assert dropped == 4 and out["advantages"].tolist() == [0.0, 1.0, 4.0, 6.0]
+    empty = {**batch, "completion_mask": torch.zeros(8, 3, dtype=torch.long)}
+    out, dropped = _trl.drop_masked_rows(trainer(steps=2), empty)  # never fewer rows than micro-batches
+    assert dropped == 6 and out["advantages"].tolist() == [0.0, 1.0]
+    for loss in ("grpo", "bnpo", "dr_grpo", "sapo", "luspo"):  # per-sequence or per-batch means: kept whole
+        assert _trl.drop_masked_rows(trainer(loss), batch) == (batch, 0)
+    assert _trl.drop_masked_rows(trainer(), {**batch, "images": [None] * 8}) == ({**batch, "images": [None] * 8}, 0)

@@ -184,6 +184,7 @@ def test_duet_trains_on_the_colocated_engine_and_aborts_there(tmp_path, demo_dir
                                                                                  add(llm, rid, ids, params)))
     trainer = _trainer(tmp_path, demo_dir, cls=Spy)
     trainer.seen = []
+    trainer.capability("duet").drops_masked_rows = False  # the whole slot layout (the placeholders stay in the batch)
     controller = trainer.capability("duet").controller
     plan = controller.plan
 

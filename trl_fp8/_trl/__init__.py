@@ -44,6 +44,8 @@ from .contract import (  # noqa: F401
 from .trainer import (  # noqa: F401
     record_metric,
     recount_items,
+    drop_masked_rows,
+    TOKEN_SUM_LOSSES,
     drop_reward_metrics_of_last_batch,
     trl_generate,
     policy_logps,

@@ -33,7 +33,7 @@ TRAINER_ATTRIBUTES = (
     "use_transformers_continuous_batching", "temperature", "num_generations", "max_completion_length",
     "eos_token_ids", "pad_to_multiple_of", "generation_config", "generation_kwargs", "tools", "rollout_func",
     "environment_factories", "ref_model", "is_deepspeed_enabled", "is_fsdp_enabled", "compute_loss_context_manager",
-    "_get_output_dir", "reward_func_names",
+    "_get_output_dir", "reward_func_names", "loss_type",
     # checkpoints (trl_fp8.checkpoints, through write_checkpoint_files / generation_buffer below)
     "_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint", "_load_from_checkpoint",
     "hp_search_backend",
@@ -63,7 +63,9 @@ MIRRORED = {
         "num_items_in_batch (the dapo normaliser) is the gathered sum of completion_mask (x tool_mask), counted before "
         "the batch is returned: recount_items recounts it after DUET masks placeholder and aborted rows",
     "trl.trainer.grpo_trainer.GRPOTrainer._compute_loss":
-        "its first _get_per_token_logps_and_entropies call is the policy's forward on the batch",
+        "its first _get_per_token_logps_and_entropies call is the policy's forward on the batch; the dapo, cispo and "
+        "vespo losses sum the masked per-token loss over the rows and divide by num_items_in_batch (a row whose mask "
+        "is all zero adds nothing: drop_masked_rows leaves such rows out of the batch)",
     "trl.trainer.grpo_trainer.GRPOTrainer.log": "averages and clears self._metrics[mode] (our metrics sink)",
     "trl.trainer.utils.add_fused_lm_head": "patches forward with a closure over the original bound forward",
     "trl.generation.vllm_generation.VLLMGeneration._iter_named_params": "the stream a sync sends (names, tensors)",

@@ -28,6 +28,51 @@ def recount_items(trainer, output: dict) -> None:
     output["num_items_in_batch"] = trainer.accelerator.gather(mask.sum()).sum()
 
 
+# losses whose value is a sum over the batch's masked tokens divided by num_items_in_batch (TRL 1.16 _compute_loss): a
+# row whose loss mask is all zero adds exactly nothing to them, so it can leave the batch
+TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")
+
+
+def drop_masked_rows(trainer, output: dict) -> tuple[dict, int]:
+    """``output`` without the rows whose loss mask (``completion_mask`` times ``tool_mask``) is all zero, so the loss's
+    forward and backward do not run on them, and how many rows were dropped. Exact for the losses in
+    :data:`TOKEN_SUM_LOSSES` (the loss and its gradient are unchanged up to summation order); for any other
+    ``loss_type`` (per-sequence or per-batch means) the batch is returned whole. Kept: at least
+    ``steps_per_generation`` rows and a multiple of it (TRL splits the batch into that many equal micro-batches and
+    drops a remainder), made up with masked rows, and with many processes the same number of rows on every rank
+    (the largest any rank needs: TRL gathers per-row metrics); every per-row tensor is sliced alike. A batch holding
+    anything else per row (a list, multimodal fields) is returned whole."""
+    if trainer.loss_type not in TOKEN_SUM_LOSSES:
+        return output, 0
+    mask = output["completion_mask"]
+    if output.get("tool_mask") is not None:
+        mask = mask * output["tool_mask"]
+    rows = mask.size(0)
+    per_row = set()
+    for key, value in output.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.size(0) == rows:
+            per_row.add(key)
+        elif not (value is None or (isinstance(value, torch.Tensor) and value.dim() == 0)):
+            return output, 0
+    kept = (mask.sum(1) > 0).nonzero().flatten().tolist()
+    chunks = max(1, int(trainer.args.steps_per_generation))
+    size = max(chunks, -(-len(kept) // chunks) * chunks)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # one size on every rank: TRL gathers per-row loss metrics across the processes (equal shapes), and every
+        # rank must then run its forward on a batch (one all-reduce, reached by every rank: the batch's structure
+        # and the loss type that decide the early returns above are the same on all of them)
+        agreed = torch.tensor([size], dtype=torch.long, device=mask.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        size = int(agreed.item())
+    if size >= rows:
+        return output, 0
+    padding = [r for r in range(rows) if r not in set(kept)][:size - len(kept)]
+    index = torch.tensor(sorted(kept + padding), dtype=torch.long, device=mask.device)
+    return {k: v.index_select(0, index.to(v.device)) if k in per_row else v for k, v in output.items()}, rows - size
+
+
 def _reward_metric_names(trainer) -> list[str]:
     """The metrics TRL's ``_generate_and_score_completions`` derives from the rewards of one batch (trl 1.16)."""
     names = ["reward", "reward_std", "frac_reward_zero_std"]

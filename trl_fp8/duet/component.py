@@ -155,6 +155,7 @@ class Duet(Capability):
         "fsdp": "each rank generates a different number of rollouts, and under FSDP generation is a collective",
     }
     off_hint = "duet=False"
+    drops_masked_rows = True  # placeholders and aborted rollouts: no loss pass on them (where that is exact)
 
     @classmethod
     def wanted(cls, args) -> bool:
