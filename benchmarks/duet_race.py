@@ -252,6 +252,30 @@ def bootstrap_mean(xs: list[float], resamples: int = 10_000, seed: int = 0) -> t
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
+def summary_table(curves: dict, target: float | None) -> list[str]:
+    """Per arm, over its finished seeds: mean ± std [min, max] of the generated tokens a step, the held-out accuracy at
+    step STEPS // 2 and at the end, the best, the zero-variance group fraction and the tokens to target (seeds that
+    reached it, of the finished ones)."""
+    half = STEPS // 2
+    out = [f"| arm | seeds done | generated tokens a step | held-out at step {half} | held-out at step {STEPS} | best "
+           "held-out | zero-variance groups | tokens to target (seeds that reached it) |", "|---|---|---|---|---|---|---|---|"]
+    for arm in ARMS:
+        done = [(seed, curves[arm, seed]) for seed in SEEDS if (arm, seed) in curves and curves[arm, seed]["done"]]
+        if not done:
+            continue
+        per_step = [c["tokens"] / c["steps"] for _, c in done]
+        mid = [p[4] for _, c in done for p in c["points"] if p[0] == half]
+        final = [c["points"][-1][4] for _, c in done]
+        best = [max(p[4] for p in c["points"][1:]) for _, c in done]
+        zv = [statistics.mean(z) for _, c in done if (z := [x for x in map(_zero_variance, c["records"]) if x is not None])]
+        hits = [h[1] for _, c in done if target is not None and (h := first_reaching(c["points"], target))]
+        reach = ("pending" if target is None else
+                 f"{spread(hits, ',.0f')} ({len(hits)} of {len(done)})" if hits else f"none of {len(done)}")
+        out.append(f"| {arm} | {', '.join(str(s) for s, _ in done)} | {spread(per_step, '.0f')} | {spread(mid, '.3f')} | "
+                   f"{spread(final, '.3f')} | {spread(best, '.3f')} | {spread(zv, '.3f')} | {reach} |")
+    return out
+
+
 def report(jsonl: str, plot: str | None = PLOT) -> list[str]:
     import _runlog
 
@@ -282,6 +306,8 @@ def report(jsonl: str, plot: str | None = PLOT) -> list[str]:
         target = max(target, floor)
     ends = [c["points"][-1][1] for (a, _), c in curves.items() if a in ESSENTIAL and c["done"]]
     limit = min(ends) if ends else 0.0
+    say("")
+    lines += summary_table(curves, target)
     say("")
     say("| arm | seed | steps | tokens to target | rollouts to target | seconds to target | final acc | AUC (tokens <= "
         f"{limit:,.0f}) | total tokens | zero-variance groups | abort rate | train s |")

@@ -79,6 +79,9 @@ def test_complete_records_give_the_pre_registered_target_and_the_ratios(tmp_path
     assert lines[3].startswith(f"target: {target:.4f} (GRPO-8 at step {half}")
     assert lines[-3] == f"duet_refill_tokens_to_target_over_grpo8: {2 * every * 320 / (half * 640):.3f}"
     assert lines[-4] == f"duet_refill_tokens_to_target_over_grpo4: {2 * every * 320 / (half * 320):.3f}"
+    summary = next(line for line in lines if line.startswith("| duet | 0, 1, 2 |"))  # the per-arm table over seeds
+    assert summary.endswith(f"| {every * 320:,.0f} ± 0 [{every * 320:,.0f}, {every * 320:,.0f}] (3 of 3) |")
+    assert any(line.startswith("| duet_refill | 0 |") for line in lines)
     per_seed = f"duet_refill / grpo8 tokens to target, per seed: {2 * every * 320 / (half * 640):.3f}; "
     assert any(line.startswith(per_seed) and "seed 1: pending" in line for line in lines)
     row = next(line for line in lines if line.startswith("| duet | 0 |"))
