@@ -100,6 +100,7 @@ KEYS = ("bench", "arm", "seed", "steps")
 PROBE_STEPS = 2
 JSONL = os.path.join(HERE, "results", "duet_race_smollm2.jsonl")
 PLOT = os.path.join(HERE, "results", "duet_race_smollm2.png")
+DOCS_PLOT = os.path.join(os.path.dirname(HERE), "docs", "img", "duet_race_smollm2.png")  # the same plot, for the docs
 
 
 def _key(arm: str, seed: int) -> dict:
@@ -373,6 +374,33 @@ def report(jsonl: str, plot: str | None = PLOT) -> list[str]:
     return lines
 
 
+DOCS = os.path.join(os.path.dirname(HERE), "docs", "duet.md")
+TABLE_START, TABLE_END = "<!-- race-table", "<!-- /race-table -->"
+
+
+def write_docs_table(lines: list[str], path: str = DOCS) -> None:
+    """Replace what stands between the race-table markers of ``path`` by the report's per-arm table (the first
+    table of ``lines``) and its units line; written to a temporary file, then renamed."""
+    table = []
+    for line in lines[lines.index(next(x for x in lines if x.startswith("| arm | seeds done"))):]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    units = next(x for x in lines if x.startswith("units (arm, seed):"))
+    with open(path) as f:
+        text = f.read()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise ValueError(f"{path} has no race-table markers ({TABLE_START} ... {TABLE_END})")
+    head, rest = text.split(TABLE_START, 1)
+    marker, _ = rest.split("\n", 1)
+    _, tail = rest.split(TABLE_END, 1)
+    body = "\n".join(table) + f"\n\n{units}\n"
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(head + TABLE_START + marker + "\n" + body + TABLE_END + tail)
+    os.replace(tmp, path)
+
+
 def _plot(curves, target, path) -> None:
     import matplotlib
 
@@ -396,6 +424,8 @@ def _plot(curves, target, path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    if path == PLOT:
+        fig.savefig(DOCS_PLOT, dpi=100)
 
 
 def main() -> None:
@@ -404,6 +434,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/duet_race")
     parser.add_argument("--report", action="store_true", help="tables and plot from --jsonl")
     parser.add_argument("--report-file", default=os.path.join(HERE, "results", "duet_race_smollm2.txt"))
+    parser.add_argument("--docs", action="store_true", help="with --report: also write the per-arm table into "
+                        "docs/duet.md (between its race-table markers)")
     parser.add_argument("--probe", action="store_true", help="time PROBE_STEPS steps of each essential arm (records "
                         "in results/duet_race_probe.jsonl, step seconds included)")
     parser.add_argument("--units", nargs="*", help="arm:seed units to run (default: ORDER)")
@@ -414,6 +446,8 @@ def main() -> None:
         print(text)
         with open(args.report_file, "w") as f:
             f.write(text + "\n")
+        if args.docs:
+            write_docs_table(lines)
         return
     if args.probe:
         probe = os.path.join(HERE, "results", "duet_race_probe.jsonl")

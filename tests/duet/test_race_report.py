@@ -110,3 +110,16 @@ def test_a_grpo8_that_has_not_learnt_does_not_make_a_target_noise_reaches(tmp_pa
     assert next(line for line in lines if line.startswith("| duet | 0 |")).split(" | ")[3] == f">= {duet_total:,}"
     bound = f">= {duet_total / grpo_tokens:.2f} (duet did not reach it)"
     assert lines[-1] == f"duet_tokens_to_target_over_grpo8: n/a (seed 0: {bound}; seed 1: {bound}; seed 2: {bound})"
+
+
+def test_the_docs_table_is_replaced_between_its_markers_only(tmp_path):
+    doc = tmp_path / "duet.md"
+    doc.write_text("# DUET\n\nbefore\n<!-- race-table: a note -->\n| old |\n<!-- /race-table -->\nafter\n")
+    lines = ["title", "units (arm, seed): grpo8/0: done", "", "| arm | seeds done | x |", "|---|---|---|",
+             "| grpo8 | 0 | 1 |", "", "| arm | seed | other table |"]
+    duet_race.write_docs_table(lines, str(doc))
+    assert doc.read_text() == ("# DUET\n\nbefore\n<!-- race-table: a note -->\n| arm | seeds done | x |\n|---|---|---|\n"
+                               "| grpo8 | 0 | 1 |\n\nunits (arm, seed): grpo8/0: done\n<!-- /race-table -->\nafter\n")
+    (tmp_path / "bare.md").write_text("no markers\n")
+    with pytest.raises(ValueError, match="race-table markers"):
+        duet_race.write_docs_table(lines, str(tmp_path / "bare.md"))
