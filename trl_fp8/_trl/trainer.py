@@ -9,6 +9,8 @@ import functools
 import torch
 from trl import GRPOTrainer as TRLGRPOTrainer
 
+from .. import distributed
+
 # -- the trainer --------------------------------------------------------------------------------------------------
 def record_metric(trainer, name: str, value: float) -> None:
     """Record into TRL's own per-mode metrics: ``GRPOTrainer.log`` averages them per logging step and sends them
@@ -57,18 +59,14 @@ def drop_masked_rows(trainer, output: dict) -> tuple[dict, int]:
     kept = (mask.sum(1) > 0).nonzero().flatten().tolist()
     chunks = max(1, int(trainer.args.steps_per_generation))
     size = max(chunks, -(-len(kept) // chunks) * chunks)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # one size on every rank: TRL gathers per-row loss metrics across the processes (equal shapes), and every
-        # rank must then run its forward on a batch (one all-reduce, reached by every rank: the batch's structure
-        # and the loss type that decide the early returns above are the same on all of them)
-        agreed = torch.tensor([size], dtype=torch.long, device=mask.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        size = int(agreed.item())
+    # one size on every rank: TRL gathers per-row loss metrics across the processes (equal shapes). One all-gather,
+    # reached by every rank: the batch's structure and the loss type that decide the early returns above are the
+    # same on all of them.
+    size = int(distributed.reduce_floats([size], ["max"], device=mask.device)[0])
     if size >= rows:
         return output, 0
-    padding = [r for r in range(rows) if r not in set(kept)][:size - len(kept)]
+    kept_set = set(kept)
+    padding = [r for r in range(rows) if r not in kept_set][:size - len(kept)]
     index = torch.tensor(sorted(kept + padding), dtype=torch.long, device=mask.device)
     return {k: v.index_select(0, index.to(v.device)) if k in per_row else v for k, v in output.items()}, rows - size
 
