@@ -19,15 +19,18 @@ def record_metric(trainer, name: str, value: float) -> None:
     trainer._metrics[mode][name].append(float(value))
 
 
+def _loss_mask(output: dict) -> torch.Tensor:
+    """The batch's loss mask as TRL 1.16 builds it: ``completion_mask`` times ``tool_mask`` when there is one."""
+    mask = output["completion_mask"]
+    return mask if output.get("tool_mask") is None else mask * output["tool_mask"]
+
+
 def recount_items(trainer, output: dict) -> None:
     """Recount ``output["num_items_in_batch"]`` after a capability masked rows out of the loss. TRL 1.16 counts it in
     ``_generate_and_score_completions`` from ``completion_mask`` (times ``tool_mask``) summed over the processes,
     *before* returning the batch; it is the ``dapo`` loss's normaliser, so masked rows counted there would shrink
     every other row's gradient. A collective: every rank calls it."""
-    mask = output["completion_mask"]
-    if output.get("tool_mask") is not None:
-        mask = mask * output["tool_mask"]
-    output["num_items_in_batch"] = trainer.accelerator.gather(mask.sum()).sum()
+    output["num_items_in_batch"] = trainer.accelerator.gather(_loss_mask(output).sum()).sum()
 
 
 # losses whose value is a sum over the batch's masked tokens divided by num_items_in_batch (TRL 1.16 _compute_loss): a
@@ -46,9 +49,7 @@ def drop_masked_rows(trainer, output: dict) -> tuple[dict, int]:
     anything else per row (a list, multimodal fields) is returned whole."""
     if trainer.loss_type not in TOKEN_SUM_LOSSES:
         return output, 0
-    mask = output["completion_mask"]
-    if output.get("tool_mask") is not None:
-        mask = mask * output["tool_mask"]
+    mask = _loss_mask(output)
     rows = mask.size(0)
     per_row = set()
     for key, value in output.items():
