@@ -20,6 +20,12 @@ Arms (``ARMS``):
   are replaced by other prompts of the pool, so the budget DUET left unused (it spent 26 % of GRPO-8's tokens on seed
   0, 41 % of its prompts got no rollout) goes where there is something to learn. Its three seeds run after the
   essential arms; the target rule and everything else above are unchanged.
+- ``duet_passrate`` (added after the refill's seeds 0 and 1, as item 5 continued, from the diagnosis in docs/duet.md --
+  not from the held-out set): DUET full with ``duet_allocator="pass_rate"`` (no refill): each prompt's pass rate has
+  a Beta posterior aged by recurrence, and the budget fills whole groups where a group of ``n_max`` is likeliest to
+  show reward variance per token (:mod:`trl_fp8.duet.passrate`): nearly-solved prompts get a group of 8 instead of
+  the groups of 2 that made them look solved. Its seeds run after every other unit; the target rule and everything
+  else above are unchanged.
 
 x-axis: cumulative *generated* tokens (every completion token sampled, screening and aborted rollouts included;
 DUET's placeholders are not generated and count 0), with wall-clock and rollouts beside it.
@@ -91,11 +97,13 @@ ARMS = {
     "duet_alloc": dict(num_generations=8, duet=True, duet_budget=0.5, duet_screen=0, duet_abort_keep_prob=1.0,
                        duet_refill_tries=0),
     "duet_refill": dict(num_generations=8, duet=True, duet_budget=0.5, duet_refill_tries=8),
+    "duet_passrate": dict(num_generations=8, duet=True, duet_budget=0.5, duet_refill_tries=0,
+                          duet_allocator="pass_rate"),
 }
-DUET_ARMS = ("duet", "duet_refill")  # the arms whose tokens to target are set against GRPO-8's and GRPO-4's
+DUET_ARMS = ("duet", "duet_refill", "duet_passrate")  # the arms whose tokens to target are set against GRPO-8's and GRPO-4's
 ESSENTIAL = ("grpo8", "grpo4", "duet")
 ORDER = ([(arm, seed) for seed in SEEDS for arm in ESSENTIAL] + [("zv_skip", 0), ("duet_alloc", 0)]
-         + [("duet_refill", seed) for seed in SEEDS])
+         + [("duet_refill", seed) for seed in SEEDS] + [("duet_passrate", seed) for seed in SEEDS])
 KEYS = ("bench", "arm", "seed", "steps")
 PROBE_STEPS = 2
 JSONL = os.path.join(HERE, "results", "duet_race_smollm2.jsonl")
@@ -332,7 +340,7 @@ def report(jsonl: str, plot: str | None = PLOT) -> list[str]:
                 f"{c['points'][-1][4] if c['points'] else float('nan'):.3f} | {'n/a' if a is None else f'{a:.3f}'} | "
                 f"{c['tokens']:,.0f} | {statistics.mean(zv) if zv else float('nan'):.3f} | "
                 f"{statistics.mean(aborts) if aborts else 0.0:.3f} | {c['seconds']:,.0f} |")
-    for arm in ("duet", "duet_alloc", "duet_refill"):
+    for arm in ("duet", "duet_alloc", "duet_refill", "duet_passrate"):
         hist = {}
         for (a, _), c in curves.items():
             if a == arm:
@@ -367,6 +375,8 @@ def report(jsonl: str, plot: str | None = PLOT) -> list[str]:
     if plot and curves:
         _plot(curves, target, plot)
         say(f"plot: {os.path.relpath(plot, os.path.dirname(HERE))}")
+    say(f"duet_passrate_tokens_to_target_over_grpo4: {headline['duet_passrate', 'grpo4']}")
+    say(f"duet_passrate_tokens_to_target_over_grpo8: {headline['duet_passrate', 'grpo8']}")
     say(f"duet_refill_tokens_to_target_over_grpo4: {headline['duet_refill', 'grpo4']}")
     say(f"duet_refill_tokens_to_target_over_grpo8: {headline['duet_refill', 'grpo8']}")
     say(f"duet_tokens_to_target_over_grpo4: {headline['duet', 'grpo4']}")
@@ -408,7 +418,7 @@ def _plot(curves, target, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4", "C5")):
+    for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4", "C5", "C6")):
         for i, seed in enumerate(SEEDS):
             c = curves.get((arm, seed))
             if c is None or not c["points"]:

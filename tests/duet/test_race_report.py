@@ -75,8 +75,12 @@ def test_complete_records_give_the_pre_registered_target_and_the_ratios(tmp_path
         _write(path, "grpo4", seed, grpo, 320.0)  # same curve per step, half the tokens: the target at `half` too
         _write(path, "duet", seed, [0.1, target + 0.01] + [target + 0.02] * (n_evals - 2), 320.0)  # at step `every`
     _write(path, "duet_refill", 0, [0.1, 0.1, target] + [target] * (n_evals - 3), 320.0)  # at 2 * every, seed 0 only
+    _write(path, "duet_passrate", 1, [0.1, 0.1, 0.1, target] + [target] * (n_evals - 4), 320.0)  # at 3 * every
     lines = duet_race.report(path, plot=None)
     assert lines[3].startswith(f"target: {target:.4f} (GRPO-8 at step {half}")
+    assert lines[-5] == f"duet_passrate_tokens_to_target_over_grpo8: {3 * every * 320 / (half * 640):.3f}"
+    assert lines[-6] == f"duet_passrate_tokens_to_target_over_grpo4: {3 * every * 320 / (half * 320):.3f}"
+    assert any(line.startswith("| duet_passrate | 1 |") for line in lines)
     assert lines[-3] == f"duet_refill_tokens_to_target_over_grpo8: {2 * every * 320 / (half * 640):.3f}"
     assert lines[-4] == f"duet_refill_tokens_to_target_over_grpo4: {2 * every * 320 / (half * 320):.3f}"
     summary = next(line for line in lines if line.startswith("| duet | 0, 1, 2 |"))  # the per-arm table over seeds

@@ -141,6 +141,10 @@ def test_stopped_rows_generate_no_more_tokens(tiny_model_dir):
         ({"duet_screen_keep_prob": 0.0}, "duet_screen_keep_prob must be in \\(0, 1\\]"),
         ({"duet_poll_every": 0}, "duet_poll_every must be an integer >= 1 or None"),
         ({"duet_abort_min_tokens": -2}, "duet_abort_min_tokens must be an integer >= 0 or None"),
+        ({"duet_allocator": "neyman"}, "duet_allocator must be one of 'informativeness', 'pass_rate', got 'neyman'"),
+        ({"duet_pass_decay": 0.0}, "duet_pass_decay must be in \\(0, 1\\]"),
+        ({"duet_pass_threshold": float("nan")}, "duet_pass_threshold must be a finite number"),
+        ({"duet_pass_threshold": "1"}, "duet_pass_threshold must be a finite number"),
     ],
 )
 def test_config_validation(tmp_path, overrides, message):

@@ -16,7 +16,7 @@ import torch
 
 from .. import _trl, distributed
 from ..capability import Capability, Conflict, check_fraction, check_int, check_number
-from .controller import DuetController
+from .controller import ALLOCATORS, DuetController
 from .markers import compile_markers
 from .sampling import DuetStoppingCriteria
 from .vllm import engine_rollouts
@@ -97,6 +97,23 @@ class DuetArgs:
                   "up to this many random draws that is neither in the step nor idle itself, so the step's budget "
                   "goes to prompts with something to teach (as DAPO's dynamic sampling). 0: off. Needs a map-style "
                   "train_dataset."},
+    )
+    duet_allocator: str = field(
+        default="informativeness",
+        metadata={"help": "trl_fp8: DUET allocator: 'informativeness' (Neyman allocation on the spread of "
+                  "advantage x log-probability, the paper's) or 'pass_rate' (a Beta posterior of each prompt's pass "
+                  "rate, aged by duet_pass_decay; prompts are filled up to duet_n_max in order of the probability "
+                  "that such a group shows reward variance, per token). See docs/duet.md."},
+    )
+    duet_pass_threshold: float = field(
+        default=0.5,
+        metadata={"help": "trl_fp8: DUET pass_rate allocator: a rollout passes when its total reward (the reward "
+                  "functions weighted and summed, as TRL sums them) is at least this."},
+    )
+    duet_pass_decay: float = field(
+        default=0.5,
+        metadata={"help": "trl_fp8: DUET pass_rate allocator: each time a prompt comes up again, its past passes "
+                  "and fails are multiplied by this, in (0, 1] (1: no ageing)."},
     )
 
 
@@ -181,6 +198,14 @@ class Duet(Capability):
                              "outcomes differ. Use 0 (no screening) or >= 2 (the default is 2).")
         check_fraction("duet_screen_keep_prob", args.duet_screen_keep_prob)
         check_int("duet_refill_tries", args.duet_refill_tries, 0)
+        if args.duet_allocator not in ALLOCATORS:
+            raise ValueError(f"duet_allocator must be one of {', '.join(repr(a) for a in ALLOCATORS)}, got "
+                             f"{args.duet_allocator!r}.")
+        if isinstance(args.duet_pass_threshold, bool) or not isinstance(args.duet_pass_threshold, (int, float)) \
+                or args.duet_pass_threshold != args.duet_pass_threshold or abs(args.duet_pass_threshold) == float("inf"):
+            raise ValueError(f"duet_pass_threshold must be a finite number (the total reward at which a rollout "
+                             f"passes), got {args.duet_pass_threshold!r}.")
+        check_fraction("duet_pass_decay", args.duet_pass_decay)
         if args.duet_n_max is not None and args.duet_n_max > args.num_generations:
             raise ValueError(f"duet_n_max={args.duet_n_max} exceeds num_generations={args.num_generations} (the "
                              "slots per prompt).")
@@ -231,6 +256,7 @@ class Duet(Capability):
             markers=a.duet_markers, keep_prob=a.duet_abort_keep_prob, min_propensity=a.duet_min_propensity,
             max_weight=a.duet_max_weight, seed=a.seed, default_length=float(trainer.max_completion_length),
             prior_strength=a.duet_prior_strength, screen=screen, screen_keep_prob=a.duet_screen_keep_prob,
+            allocator=a.duet_allocator, pass_threshold=a.duet_pass_threshold, pass_decay=a.duet_pass_decay,
             **length_knobs(a, trainer.max_completion_length),
         )
         self.batch = None
@@ -470,6 +496,9 @@ class Duet(Capability):
     def adjust_rewards(self, trainer, rewards: torch.Tensor) -> torch.Tensor:
         if self.batch is not None and trainer.model.training:
             rewards[self._excluded_rows(rewards.size(0)).to(rewards.device)] = torch.nan
+            # each row's total reward, as TRL sums it (global rows: TRL gathered them): the pass-rate surrogate's data
+            total = (rewards * trainer.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
+            self.batch["rewards"] = total.detach().double().cpu()
         return rewards
 
     def adjust_batch(self, trainer, output: dict) -> dict:
@@ -482,7 +511,9 @@ class Duet(Capability):
         parts = distributed.gather_objects(advantages.detach().cpu().double().tolist())
         global_advantages = torch.tensor([a for part in parts for a in part], dtype=torch.float64)
         excluded = self._excluded_rows(global_advantages.numel())
-        self.controller.observe(plan, self.batch["lengths"], global_advantages[rows], self.batch["sum_logps"])
+        rewards = self.batch.get("rewards")
+        self.controller.observe(plan, self.batch["lengths"], global_advantages[rows], self.batch["sum_logps"],
+                                rewards=rewards[rows] if rewards is not None else None)
         groups = zero = 0  # generated groups (>= 2 kept rollouts) whose rewards all agreed: advantage 0 throughout
         for g, n in enumerate(plan.counts.tolist()):
             kept = [g * plan.slots + j for j in range(n) if not excluded[g * plan.slots + j]]

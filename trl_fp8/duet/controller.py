@@ -14,6 +14,7 @@ import torch
 from .abort import RolloutMonitor
 from .allocation import allocate_rollouts, importance_weights, propensities
 from .markers import MarkerDetector
+from .passrate import PassRates, allocate_by_variance
 from .surrogate import LengthQuantiles, PromptStats, informativeness
 
 
@@ -50,12 +51,21 @@ class BatchPlan:
         return [g * self.slots + j for g, n in enumerate(self.counts.tolist()) for j in range(n)]
 
 
+ALLOCATORS = ("informativeness", "pass_rate")
+
+
 class DuetController:
     def __init__(self, budget: float, slots: int, n_min: int = 2, n_max: int | None = None, markers=("math",),
                  keep_prob: float = 0.05, min_propensity: float = 0.05, max_weight: float = 1000.0,
                  seed: int = 0, default_length: float = 64.0, margin_threshold: float = 0.9, grace: int = 150,
                  prior_strength: float = 0.0, screen: int = 0, screen_keep_prob: float = 0.1, min_tokens: int = 0,
-                 k_gap: int = 0, poll_every: int = 8):
+                 k_gap: int = 0, poll_every: int = 8, allocator: str = "informativeness", pass_threshold: float = 0.5,
+                 pass_decay: float = 0.5):
+        if allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
+        self.allocator = allocator
+        self.pass_threshold = float(pass_threshold)
+        self.pass_rates = PassRates(decay=pass_decay)
         self.budget = budget
         self.slots = slots
         self.n_min = n_min
@@ -81,11 +91,14 @@ class DuetController:
             "stats": self.stats.state_dict(),
             "quantiles": self.quantiles.state_dict(),
             "rng": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+            "pass_rates": self.pass_rates.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state["stats"])
         self.quantiles.load_state_dict(state["quantiles"])
+        if "pass_rates" in state:  # absent in checkpoints written before the pass-rate allocator: start afresh
+            self.pass_rates.load_state_dict(state["pass_rates"])
         rng = state["rng"]
         self.rng.setstate((int(rng["version"]), tuple(int(x) for x in rng["internal"]), rng["gauss_next"]))
 
@@ -131,8 +144,15 @@ class DuetController:
         s, lengths, warm, reprobe = self.stats.lookup(keys)
         mean_len = self.stats.cold_length()
         budget = self.budget * len(keys) * self.slots * mean_len
-        counts, lam, inclusion = allocate_rollouts(s, lengths, budget, self.n_min, self.n_max, rng=self.rng,
-                                                   min_inclusion=self.min_propensity)
+        if self.allocator == "pass_rate":
+            a, b = self.pass_rates.lookup(keys)
+            counts, inclusion, _ = allocate_by_variance(a, b, lengths, budget, max(2, self.n_min), self.n_max,
+                                                        cold=~warm, screen=self.screen, rng=self.rng,
+                                                        min_inclusion=self.min_propensity)
+            lam = float("inf")  # no multiplier: the greedy fill has none
+        else:
+            counts, lam, inclusion = allocate_rollouts(s, lengths, budget, self.n_min, self.n_max, rng=self.rng,
+                                                       min_inclusion=self.min_propensity)
         # exploration floor: stale warm prompts get a group that can be observed again (with certainty: π = 1)
         floor = max(2, self.n_min) if self.n_max >= 2 else self.n_min
         counts = torch.where(reprobe, counts.clamp(min=floor), counts)
@@ -218,9 +238,15 @@ class DuetController:
         w = importance_weights(p, eps_kept, self.keep_prob, self.min_propensity, self.max_weight, inclusion)
         return torch.where(aborted, torch.zeros_like(w), w)
 
-    def observe(self, plan: BatchPlan, lengths: list[int], advantages: torch.Tensor, sum_logps: torch.Tensor) -> None:
-        """Learn from the batch: per-prompt informativeness and lengths of the kept (non-aborted) rollouts."""
+    def observe(self, plan: BatchPlan, lengths: list[int], advantages: torch.Tensor, sum_logps: torch.Tensor,
+                rewards: torch.Tensor | None = None) -> None:
+        """Learn from the batch: per-prompt informativeness and lengths of the kept (non-aborted) rollouts, and with
+        ``rewards`` (each rollout's total reward, in the order of ``lengths``) their passes (reward >=
+        ``pass_threshold``) and fails for the pass-rate surrogate."""
+        if self.allocator == "pass_rate" and rewards is None:
+            raise ValueError("the pass-rate allocator learns from rewards: observe() needs them")
         kept_lengths = []
+        passes_all = kept_all = 0
         row = 0
         for key, n in zip(plan.keys, plan.counts.tolist(), strict=True):
             idx = [i for i in range(row, row + n) if not plan.monitors[i].aborted]
@@ -230,6 +256,12 @@ class DuetController:
             if len(idx) >= 2:
                 s = informativeness(advantages[idx], sum_logps[idx])
                 self.stats.update(key, s, group_lengths)
+                if rewards is not None:
+                    passes = sum(float(rewards[i]) >= self.pass_threshold for i in idx)
+                    self.pass_rates.update(key, passes, len(idx) - passes)
+                    passes_all += passes
+                    kept_all += len(idx)
+        self.pass_rates.observe_batch(passes_all, kept_all)
         self.stats.observe_batch_lengths(kept_lengths)
         self.quantiles.add(kept_lengths)
         self.quantiles.step()
