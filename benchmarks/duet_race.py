@@ -52,6 +52,7 @@ the essential arms first, then the diagnostics), one process, so the same comman
     OMP_NUM_THREADS=1 nohup python benchmarks/duet_race.py >> runs/duet_race.log 2>&1 &    # run / resume
     python benchmarks/duet_race.py --report        # tables + plot from the JSONL (partial records marked)
     python benchmarks/duet_race.py --probe         # time a few steps of each essential arm (not recorded as a run)
+    python benchmarks/duet_race.py --probe --bf16 --units duet_passrate:0   # 2 steps in fp32, then bf16 autocast
 
 Last two lines of ``--report``: ``duet_tokens_to_target_over_grpo4: <ratio>`` then
 ``duet_tokens_to_target_over_grpo8: <ratio>`` (``n/a`` with the reason when no seed pair reached the target).
@@ -153,8 +154,12 @@ def _step_metrics(trainer):
     return pick
 
 
-def run_unit(arm: str, seed: int, jsonl: str, output_dir: str, steps: int = STEPS, probe: bool = False) -> None:
-    """One resumable (arm, seed) run; returns at once when ``jsonl`` says it is done."""
+def run_unit(arm: str, seed: int, jsonl: str, output_dir: str, steps: int = STEPS, probe: bool = False,
+             bf16: bool = False) -> None:
+    """One resumable (arm, seed) run; returns at once when ``jsonl`` says it is done. ``bf16`` (probes only: the race
+    itself is fp32) trains with TRL's ``bf16=True`` (CPU autocast)."""
+    if bf16 and not probe:
+        raise ValueError("bf16=True is for probes only: the race is fp32 by design (pre-registered)")
     import _runlog
     import torch
     from transformers.trainer_callback import PrinterCallback
@@ -163,14 +168,15 @@ def run_unit(arm: str, seed: int, jsonl: str, output_dir: str, steps: int = STEP
     from trl_fp8.app.tasks import mixed_math as mm
     from trl_fp8.models import SMOLLM2, resolve_model
 
-    key = _key(arm, seed) if not probe else {**_key(arm, seed), "bench": "duet_race_probe", "steps": steps}
+    key = _key(arm, seed) if not probe else {**_key(arm, seed), "bench": "duet_race_probe", "steps": steps,
+                                             **({"bf16": True} if bf16 else {})}
     if _runlog.is_done(jsonl, key):
         return
     calibration = mm.load_calibration()
     settings = ARMS[arm]
     out = os.path.join(output_dir, _runlog.run_name(key))
     args = trl_fp8.GRPOConfig(
-        output_dir=out, use_cpu=True, bf16=False, max_steps=steps, learning_rate=LR, lr_scheduler_type="constant",
+        output_dir=out, use_cpu=True, bf16=bf16, max_steps=steps, learning_rate=LR, lr_scheduler_type="constant",
         per_device_train_batch_size=PROMPTS * settings["num_generations"], max_completion_length=mm.MAX_COMPLETION_LENGTH,
         temperature=mm.TEMPERATURE, logging_steps=1, save_strategy="no" if probe else "steps", save_steps=EVAL_EVERY,
         save_total_limit=1, report_to="none", disable_tqdm=True, gradient_checkpointing=False, seed=seed,
@@ -448,7 +454,10 @@ def main() -> None:
                         "docs/duet.md (between its race-table markers)")
     parser.add_argument("--probe", action="store_true", help="time PROBE_STEPS steps of each essential arm (records "
                         "in results/duet_race_probe.jsonl, step seconds included)")
-    parser.add_argument("--units", nargs="*", help="arm:seed units to run (default: ORDER)")
+    parser.add_argument("--units", nargs="*", help="arm:seed units to run (default: ORDER); with --probe: the arms to "
+                        "probe (seed 0; default: the essential arms)")
+    parser.add_argument("--bf16", action="store_true", help="with --probe: probe each arm in fp32 and then with "
+                        "bf16=True (CPU autocast); the race itself is fp32")
     args = parser.parse_args()
     if args.report:
         lines = report(args.jsonl)
@@ -459,13 +468,19 @@ def main() -> None:
         if args.docs:
             write_docs_table(lines)
         return
+    if args.bf16 and not args.probe:
+        parser.error("--bf16 is for --probe only: the race is fp32 (pre-registered)")
     if args.probe:
         probe = os.path.join(HERE, "results", "duet_race_probe.jsonl")
-        for arm in ESSENTIAL:
-            t0 = time.perf_counter()
-            run_unit(arm, 0, probe, args.output_dir, steps=PROBE_STEPS, probe=True)
-            print(json.dumps({"probe": arm, "steps": PROBE_STEPS, "seconds": round(time.perf_counter() - t0, 1)}),
-                  flush=True)
+        arms = [u.split(":")[0] for u in args.units] if args.units else list(ESSENTIAL)
+        for arm in arms:
+            if arm not in ARMS:
+                parser.error(f"unknown arm {arm!r}; one of {', '.join(ARMS)}")
+            for bf16 in ((False, True) if args.bf16 else (False,)):  # fp32 then bf16 autocast, same arm and seed
+                t0 = time.perf_counter()
+                run_unit(arm, 0, probe, args.output_dir, steps=PROBE_STEPS, probe=True, bf16=bf16)
+                print(json.dumps({"probe": arm, "bf16": bf16, "steps": PROBE_STEPS,
+                                  "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
         return
     units = [(u.split(":")[0], int(u.split(":")[1])) for u in args.units] if args.units else ORDER
     for arm, seed in units:

@@ -178,6 +178,20 @@ def test_the_controller_learns_passes_from_rewards_and_plans_with_them():
         DuetController(budget=0.5, slots=8, allocator="greedy")
 
 
+def test_every_cold_prompt_is_screened_and_a_mixed_screen_continues_from_the_pool():
+    """4 cold prompts, budget 0.5 x 4 x 8 x 10 = 160 tokens: screens of 2 take 80, the first cold prompt extends by 6
+    (60), the second by 2 (20). All four are screened; the screens of prompts 2 and 3 are mixed, those of 0 and 1
+    uniform (neither kept: keep prob ~0), so the pool of 8 goes round-robin to 2 and 3: groups of 6 each."""
+    c = DuetController(budget=0.5, slots=8, n_min=2, seed=0, default_length=10.0, screen=2, screen_keep_prob=1e-12,
+                       allocator="pass_rate")
+    plan = c.plan(["a", "b", "c", "d"])
+    assert plan.planned.tolist() == [8, 4, 2, 2] and plan.counts.tolist() == [2, 2, 2, 2]
+    assert plan.screened.tolist() == [True] * 4
+    new_rows = c.after_screen(plan, [True, True, False, False])
+    assert plan.counts.tolist() == [2, 2, 6, 6]
+    assert new_rows == [2 * 8 + j for j in range(2, 6)] + [3 * 8 + j for j in range(2, 6)]
+
+
 def test_the_controller_state_keeps_the_pass_rates():
     c = _controller()
     _observe(c, ["x", "y"], {"x": [1.0, 0.0, 1.0], "y": [0.0, 0.0]})

@@ -140,7 +140,8 @@ class DuetController:
         """Rollouts per prompt for this batch. With screening on (``screen > 0``), a cold prompt (never observed) that
         the allocator gave more than ``screen`` rollouts gets only ``screen`` for now: its first group is a screen, and
         :meth:`after_screen` decides the rest from the screen's rewards (``plan.planned`` keeps the allocator's
-        counts)."""
+        counts). With the pass-rate allocator every cold prompt is screened (it was given its screen first), so a cold
+        prompt whose screen is mixed can continue even when the allocator gave it nothing beyond the screen."""
         s, lengths, warm, reprobe = self.stats.lookup(keys)
         mean_len = self.stats.cold_length()
         budget = self.budget * len(keys) * self.slots * mean_len
@@ -158,7 +159,12 @@ class DuetController:
         counts = torch.where(reprobe, counts.clamp(min=floor), counts)
         inclusion = torch.where(reprobe, torch.ones_like(inclusion), inclusion)
         planned = counts.clone()
-        screened = (~warm) & (counts > self.screen) if self.screen > 0 else torch.zeros_like(warm)
+        if self.screen <= 0:
+            screened = torch.zeros_like(warm)
+        elif self.allocator == "pass_rate":  # every cold prompt holds its screen: each may continue from the pool
+            screened = (~warm) & (counts >= self.screen)
+        else:
+            screened = (~warm) & (counts > self.screen)
         counts = torch.where(screened, torch.full_like(counts, self.screen), counts)
         plan = BatchPlan(keys, counts, propensities(counts, self.min_propensity), lam, self.slots, inclusion,
                          screened=screened, planned=planned)
