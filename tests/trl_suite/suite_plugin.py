@@ -28,7 +28,10 @@ MODE = os.environ.get("TRL_FP8_SUITE_MODE", "features")
 # "hidden": the variant issue 30 reported from a review — Fair Cast error feedback, DUET at half the budget, every
 # check forced on.
 MODE_FEATURES = {"defaults": {}, "features": {"fair_cast": "stochastic", "sync_checks": "all"},
-                 "hidden": {"fair_cast": "error_feedback", "duet": True, "duet_budget": 0.5, "sync_checks": "all"}}
+                 "hidden": {"fair_cast": "error_feedback", "duet": True, "duet_budget": 0.5, "sync_checks": "all"},
+                 # "passrate": "hidden" with DUET's pass-rate allocator
+                 "passrate": {"fair_cast": "error_feedback", "duet": True, "duet_budget": 0.5, "sync_checks": "all",
+                              "duet_allocator": "pass_rate"}}
 if MODE in MODE_FEATURES:
     import trl
 
