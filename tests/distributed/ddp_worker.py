@@ -10,6 +10,8 @@ embedded demo model and writes what the test compares to ``OUT/<scenario>.rank<r
 - ``duet_refill``: DUET with ``duet_refill_tries`` on 6 recurring prompts, keyed sampling, and a reward that is flat
   for the prompts with an even answer (their groups go idle, and the refill replaces them): the substitutes, plans and
   losses, to compare with one process;
+- ``duet_passrate``: the same prompts, sampling and reward with DUET's pass-rate allocator (screening on, no refill):
+  the plans, weights and learnt pass rates, to compare with one process;
 - ``mxfp8``: MXFP8 + Fair Cast SR + every check, two steps;
 - ``qlora``: fast QLoRA (LoRA over the demo model in NF4) + Fair Cast SR + every check, two steps;
 - ``fault``: Fair Cast SR + every check; rank 1 (only) corrupts one weight of its sampler from the sync to step 1.
@@ -117,8 +119,9 @@ def make_trainer(out, name, **fields):
     )
     kwargs.update(fields)
     reward = row_reward if name in KEYED else correctness_reward
-    rewards = [parity_reward] if name == "duet_refill" else [reward, row_reward]
-    data = (make_arithmetic_dataset(6, seed=3, max_operand=9) if name == "duet_refill" else
+    recurring = name in ("duet_refill", "duet_passrate")
+    rewards = [parity_reward] if recurring else [reward, row_reward]
+    data = (make_arithmetic_dataset(6, seed=3, max_operand=9) if recurring else
             make_arithmetic_dataset(64, seed=3, max_operand=9))  # equal prompt lengths: no padding
     peft_config = None
     if kwargs.get("fast_qlora", "off") != "off":  # LoRA over the demo model in NF4 (bitsandbytes' CPU backend)
@@ -289,7 +292,7 @@ def check_zero_against_reference(trainer, record):
     trainer.add_callback(Reference())
 
 
-KEYED = ("ef", "duet_keyed", "duet_refill")  # split-independent sampling and the global-row reward: comparable with one process
+KEYED = ("ef", "duet_keyed", "duet_refill", "duet_passrate")  # split-independent sampling and the global-row reward: comparable with one process
 SCENARIOS = {
     "duet_sr": dict(fair_cast="stochastic", duet=True, duet_budget=0.5),
     "ef": dict(fair_cast="error_feedback", generation_kwargs={"do_sample": False}, beta=0.1),
@@ -297,6 +300,8 @@ SCENARIOS = {
                        beta=0.1),
     "duet_refill": dict(fair_cast="stochastic", duet=True, duet_budget=0.5, duet_screen=0, duet_refill_tries=6,
                         max_steps=7, generation_kwargs={"do_sample": False}, beta=0.1),
+    "duet_passrate": dict(fair_cast="stochastic", duet=True, duet_budget=0.5, duet_allocator="pass_rate",
+                          max_steps=7, generation_kwargs={"do_sample": False}, beta=0.1),
     "mxfp8": dict(fair_cast="stochastic", mxfp8=True, max_steps=2),
     "qlora": dict(fast_qlora="on", fair_cast="stochastic", lora_serving="merged", max_steps=2, learning_rate=1e-3),
     "fault": dict(fair_cast="stochastic", max_steps=3),
@@ -358,6 +363,8 @@ def run(out: str, name: str) -> int:
     record["checks"] = checks.monitor.summary() if checks is not None else None
     record["deepspeed"] = bool(trainer.is_deepspeed_enabled)
     record["global_step"] = trainer.state.global_step
+    duet = trainer.capability("duet")
+    record["pass_rates"] = duet.controller.pass_rates.state_dict() if duet is not None else None
     budget = trainer.capability("time_budget")
     record["stopping"] = budget.callback.stopping if budget is not None else None
     if name == "sigterm":

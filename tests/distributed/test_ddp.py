@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "ddp_worker.py")
-SCENARIOS = ("duet_sr", "ef", "duet_keyed", "duet_refill", "mxfp8", "qlora", "fault", "replica_fault", "sigterm")
+SCENARIOS = ("duet_sr", "ef", "duet_keyed", "duet_refill", "duet_passrate", "mxfp8", "qlora", "fault", "replica_fault", "sigterm")
 
 
 def _env():
@@ -45,7 +45,7 @@ def runs(tmp_path_factory):
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(_free_port()), WORKER, str(two), ",".join(SCENARIOS)],
         capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
-    single = subprocess.run([sys.executable, WORKER, str(one), "ef,duet_keyed,duet_refill"], capture_output=True, text=True,
+    single = subprocess.run([sys.executable, WORKER, str(one), "ef,duet_keyed,duet_refill,duet_passrate"], capture_output=True, text=True,
                             timeout=600, env=_env(), cwd=ROOT)
     assert single.returncode == 0, single.stderr[-4000:]
     return {"two": two, "one": one, "launch": launch}
@@ -158,6 +158,26 @@ def test_duet_refill_draws_the_same_substitutes_on_two_ranks_as_on_one_process(r
         for rank in two:
             x, y = _metric_series(rank, key), _metric_series(one, key)
             assert len(x) == len(y) == 7 and x == pytest.approx(y, rel=tol, abs=1e-7), key
+
+
+def test_duet_pass_rate_allocator_on_two_ranks_learns_and_plans_as_one_process(runs):
+    """The pass-rate allocator learns from the global batch's rewards: on 2 ranks it keeps the same pass rates and
+    makes the same plans and weights as one process, and it did act (the even-answer prompts, always right, end with
+    no fails; some step gave a prompt no rollouts)."""
+    two = _load(runs["two"], "duet_passrate", 2)
+    one = _load(runs["one"], "duet_passrate", 1)[0]
+    assert two[0]["error"] is None and one["error"] is None
+    assert two[0]["pass_rates"] == two[1]["pass_rates"] == one["pass_rates"]
+    assert len(one["pass_rates"]["table"]) == 6
+    assert any(fails == 0 for _, _, fails in one["pass_rates"]["table"])
+    assert any(fails > 0 for _, _, fails in one["pass_rates"]["table"])
+    assert [d["counts"] for d in two[0]["duet"]] == [d["counts"] for d in two[1]["duet"]] == \
+        [d["counts"] for d in one["duet"]]
+    assert any(0 in d["counts"] for d in one["duet"])
+    assert [d["global"] for d in two[0]["duet"]] == [d["global"] for d in one["duet"]]
+    for rank in two:
+        x, y = _metric_series(rank, "loss"), _metric_series(one, "loss")
+        assert len(x) == len(y) == 7 and x == pytest.approx(y, rel=1e-3, abs=1e-7)
 
 
 def test_sigterm_to_one_rank_mid_generation_stops_both_at_the_next_boundary(runs):
