@@ -241,3 +241,32 @@ def test_duet_with_fair_cast_and_every_check_on_the_engine(tmp_path, demo_dir):
     assert set(summary["not_applicable"]) <= {"quant_parity"}, summary  # the engine is sent the served tensors
     assert max(r["sync/logp_gap_mean"] for r in records) < 0.05  # the engine serves exactly Fair Cast's export
     _release(trainer)
+
+
+def test_the_pass_rate_allocator_learns_from_the_engines_rollouts(tmp_path, demo_dir):
+    """``duet_allocator="pass_rate"`` on the colocated engine: every observed prompt's passes and fails come from the
+    rewards of the rollouts the engine generated (the kept rows of each step), and the plans stay within the slots."""
+    trainer = _trainer(tmp_path, demo_dir, duet_allocator="pass_rate", duet_pass_threshold=0.2)
+    seen = []
+    duet = trainer.capability("duet")
+    original = duet.controller.observe
+
+    def observe(plan, lengths, advantages, sum_logps, rewards=None):
+        kept, row = [], 0  # rows of groups with >= 2 kept rollouts: the ones the pass rates learn from
+        for n in plan.counts.tolist():
+            group = [i for i in range(row, row + n) if not plan.monitors[i].aborted]
+            kept += group if len(group) >= 2 else []
+            row += n
+        seen.append((plan.counts.tolist(), [float(rewards[i]) for i in kept]))
+        return original(plan, lengths, advantages, sum_logps, rewards=rewards)
+
+    duet.controller.observe = observe
+    trainer.train()
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(records) == len(seen) == 3
+    assert all("duet/lambda" not in r for r in records)  # the greedy fill, not the Neyman allocation
+    assert len(duet.controller.pass_rates) > 0
+    assert all(max(counts) <= trainer.num_generations for counts, _ in seen)
+    last = seen[-1][1]  # the batch's pass rate over its kept rollouts: the cold prior's mean from then on
+    assert duet.controller.pass_rates.recent_rate == sum(r >= 0.2 for r in last) / len(last)
+    _release(trainer)
