@@ -55,7 +55,8 @@ the essential arms first, then the diagnostics), one process, so the same comman
     python benchmarks/duet_race.py --probe --bf16 --units duet_passrate:0   # 2 steps in fp32, then bf16 autocast
 
 Last two lines of ``--report``: ``duet_tokens_to_target_over_grpo4: <ratio>`` then
-``duet_tokens_to_target_over_grpo8: <ratio>`` (``n/a`` with the reason when no seed pair reached the target).
+``duet_tokens_to_target_over_grpo8: <ratio>`` (the mean over the seeds where both arms reached the target, followed by
+the other seeds' bounds when there are any; ``n/a`` with the reason when no seed pair reached it).
 """
 
 from __future__ import annotations
@@ -376,8 +377,11 @@ def report(jsonl: str, plot: str | None = PLOT) -> list[str]:
         say(f"{duet} / {base} tokens to target, per seed: {', '.join(f'{x:.3f}' for x in ratios) or 'none'}; "
             f"{spread(ratios, '.3f')}" + (f"; bootstrap 95 % [{interval[0]:.3f}, {interval[1]:.3f}]" if interval
                                           else "") + (f"; {'; '.join(bounds)}" if bounds else ""))
-        headline[duet, base] = (f"{statistics.mean(ratios):.3f}" if ratios else
-                                f"n/a ({'; '.join(bounds) if bounds else 'no seed pair'})")
+        # the mean over the seed pairs that both reached the target; the other seeds' bounds follow it, so a mean of
+        # one seed out of three does not read as the result of three
+        headline[duet, base] = (f"{statistics.mean(ratios):.3f}" + (f" ({len(ratios)} of {len(SEEDS)} seeds; "
+                                                                     f"{'; '.join(bounds)})" if bounds else "")
+                                if ratios else f"n/a ({'; '.join(bounds) if bounds else 'no seed pair'})")
     if plot and curves:
         _plot(curves, target, plot)
         say(f"plot: {os.path.relpath(plot, os.path.dirname(HERE))}")
