@@ -270,11 +270,13 @@ def bootstrap_mean(xs: list[float], resamples: int = 10_000, seed: int = 0) -> t
 
 def summary_table(curves: dict, target: float | None) -> list[str]:
     """Per arm, over its finished seeds: mean ± std [min, max] of the generated tokens a step, the held-out accuracy at
-    step STEPS // 2 and at the end, the best, the zero-variance group fraction and the tokens to target (seeds that
-    reached it, of the finished ones)."""
+    step STEPS // 2 and at the end, the best, the zero-variance group fraction, the fraction of steps whose update had
+    no gradient (``grad_norm`` 0: every group the step trained on had one reward, so the step changed nothing) and the
+    tokens to target (seeds that reached it, of the finished ones)."""
     half = STEPS // 2
     out = [f"| arm | seeds done | generated tokens a step | held-out at step {half} | held-out at step {STEPS} | best "
-           "held-out | zero-variance groups | tokens to target (seeds that reached it) |", "|---|---|---|---|---|---|---|---|"]
+           "held-out | zero-variance groups | steps without gradient | tokens to target (seeds that reached it) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for arm in ARMS:
         done = [(seed, curves[arm, seed]) for seed in SEEDS if (arm, seed) in curves and curves[arm, seed]["done"]]
         if not done:
@@ -284,11 +286,13 @@ def summary_table(curves: dict, target: float | None) -> list[str]:
         final = [c["points"][-1][4] for _, c in done]
         best = [max(p[4] for p in c["points"][1:]) for _, c in done]
         zv = [statistics.mean(z) for _, c in done if (z := [x for x in map(_zero_variance, c["records"]) if x is not None])]
+        idle = [statistics.mean(float(r["grad_norm"] == 0) for r in c["records"] if "grad_norm" in r) for _, c in done
+                if any("grad_norm" in r for r in c["records"])]
         hits = [h[1] for _, c in done if target is not None and (h := first_reaching(c["points"], target))]
         reach = ("pending" if target is None else
                  f"{spread(hits, ',.0f')} ({len(hits)} of {len(done)})" if hits else f"none of {len(done)}")
         out.append(f"| {arm} | {', '.join(str(s) for s, _ in done)} | {spread(per_step, '.0f')} | {spread(mid, '.3f')} | "
-                   f"{spread(final, '.3f')} | {spread(best, '.3f')} | {spread(zv, '.3f')} | {reach} |")
+                   f"{spread(final, '.3f')} | {spread(best, '.3f')} | {spread(zv, '.3f')} | {spread(idle, '.2f')} | {reach} |")
     return out
 
 

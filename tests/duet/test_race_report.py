@@ -21,7 +21,8 @@ def _write(path, arm, seed, accs, tokens_per_step, done=True, upto=None):
     rows = duet_race.PROMPTS * duet_race.ARMS[arm]["num_generations"]
     recs = [{**key, "kind": "start", "from_step": 0}, {**key, "kind": "eval", "step": 0, "heldout": accs[0]}]
     for s in range(1, steps + 1):
-        rec = {**key, "kind": "step", "step": s, "seconds": 1.0}
+        rec = {**key, "kind": "step", "step": s, "seconds": 1.0,
+               "grad_norm": 0.0 if arm.startswith("duet") and s % 2 else 1.0}  # DUET: every other step no gradient
         if arm.startswith("duet"):
             rec.update({"duet/tokens": tokens_per_step, "duet/abort_frac": 0.0, "n_q": [2, 6, 0, 8],
                         "duet/zero_std_groups_frac": 0.25})
@@ -87,7 +88,10 @@ def test_complete_records_give_the_pre_registered_target_and_the_ratios(tmp_path
     assert lines[-3] == f"duet_refill_tokens_to_target_over_grpo8: {rf8:.3f} (1 of 3 seeds; seed 1: pending; seed 2: pending)"
     assert lines[-4] == f"duet_refill_tokens_to_target_over_grpo4: {rf4:.3f} (1 of 3 seeds; seed 1: pending; seed 2: pending)"
     summary = next(line for line in lines if line.startswith("| duet | 0, 1, 2 |"))  # the per-arm table over seeds
-    assert summary.endswith(f"| {every * 320:,.0f} ± 0 [{every * 320:,.0f}, {every * 320:,.0f}] (3 of 3) |")
+    assert summary.endswith(f"| 0.50 ± 0.00 [0.50, 0.50] | {every * 320:,.0f} ± 0 [{every * 320:,.0f}, "
+                            f"{every * 320:,.0f}] (3 of 3) |")  # steps without gradient, then tokens to target
+    grpo8 = next(line for line in lines if line.startswith("| grpo8 | 0, 1, 2 |"))
+    assert "| 0.00 ± 0.00 [0.00, 0.00] |" in grpo8
     assert any(line.startswith("| duet_refill | 0 |") for line in lines)
     per_seed = f"duet_refill / grpo8 tokens to target, per seed: {2 * every * 320 / (half * 640):.3f}; "
     assert any(line.startswith(per_seed) and "seed 1: pending" in line for line in lines)
