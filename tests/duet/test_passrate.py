@@ -192,6 +192,12 @@ def test_every_cold_prompt_is_screened_and_a_mixed_screen_continues_from_the_poo
     assert new_rows == [2 * 8 + j for j in range(2, 6)] + [3 * 8 + j for j in range(2, 6)]
 
 
+def test_a_screen_larger_than_the_group_is_the_whole_group():
+    c = DuetController(budget=0.5, slots=2, n_min=2, seed=0, default_length=10.0, screen=4, allocator="pass_rate")
+    plan = c.plan(["a", "b"])
+    assert plan.counts.tolist() == [2, 2] and plan.screened.tolist() == [True, True]
+
+
 def test_the_controller_state_keeps_the_pass_rates():
     c = _controller()
     _observe(c, ["x", "y"], {"x": [1.0, 0.0, 1.0], "y": [0.0, 0.0]})

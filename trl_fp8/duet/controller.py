@@ -145,10 +145,11 @@ class DuetController:
         s, lengths, warm, reprobe = self.stats.lookup(keys)
         mean_len = self.stats.cold_length()
         budget = self.budget * len(keys) * self.slots * mean_len
+        screen = min(self.screen, self.n_max)  # a screen cannot be larger than a prompt's group
         if self.allocator == "pass_rate":
             a, b = self.pass_rates.lookup(keys)
             counts, inclusion, _ = allocate_by_variance(a, b, lengths, budget, max(2, self.n_min), self.n_max,
-                                                        cold=~warm, screen=self.screen, rng=self.rng,
+                                                        cold=~warm, screen=screen, rng=self.rng,
                                                         min_inclusion=self.min_propensity)
             lam = float("inf")  # no multiplier: the greedy fill has none
         else:
@@ -159,13 +160,13 @@ class DuetController:
         counts = torch.where(reprobe, counts.clamp(min=floor), counts)
         inclusion = torch.where(reprobe, torch.ones_like(inclusion), inclusion)
         planned = counts.clone()
-        if self.screen <= 0:
+        if screen <= 0:
             screened = torch.zeros_like(warm)
         elif self.allocator == "pass_rate":  # every cold prompt holds its screen: each may continue from the pool
-            screened = (~warm) & (counts >= self.screen)
+            screened = (~warm) & (counts >= screen)
         else:
-            screened = (~warm) & (counts > self.screen)
-        counts = torch.where(screened, torch.full_like(counts, self.screen), counts)
+            screened = (~warm) & (counts > screen)
+        counts = torch.where(screened, torch.full_like(counts, screen), counts)
         plan = BatchPlan(keys, counts, propensities(counts, self.min_propensity), lam, self.slots, inclusion,
                          screened=screened, planned=planned)
         # Each rollout's coins are drawn here, in row order, from the controller's stream (a monitor tosses at most
