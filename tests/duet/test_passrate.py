@@ -212,6 +212,21 @@ def test_the_controller_state_keeps_the_pass_rates():
     assert len(fresh.pass_rates) == 0
 
 
+def test_the_informativeness_allocator_keeps_no_pass_rates(tmp_path):
+    from trl_fp8.app.demo.model import demo_model_path
+
+    trainer = trl_fp8.GRPOTrainer(
+        model=demo_model_path(), reward_funcs=[_solved_or_mixed],
+        args=trl_fp8.GRPOConfig(
+            output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=2, learning_rate=1e-4,
+            per_device_train_batch_size=32, num_generations=8, max_completion_length=8, logging_steps=1,
+            save_strategy="no", report_to="none", disable_tqdm=True, seed=3, duet=True, duet_budget=0.5),
+        train_dataset=make_arithmetic_dataset(4, seed=1))
+    trainer.train()
+    controller = trainer.capability("duet").controller
+    assert len(controller.stats) > 0 and len(controller.pass_rates) == 0
+
+
 # -- in the trainer ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_dir():

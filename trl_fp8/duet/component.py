@@ -496,9 +496,10 @@ class Duet(Capability):
     def adjust_rewards(self, trainer, rewards: torch.Tensor) -> torch.Tensor:
         if self.batch is not None and trainer.model.training:
             rewards[self._excluded_rows(rewards.size(0)).to(rewards.device)] = torch.nan
-            # each row's total reward, as TRL sums it (global rows: TRL gathered them): the pass-rate surrogate's data
-            total = (rewards * trainer.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
-            self.batch["rewards"] = total.detach().double().cpu()
+            if self.controller.allocator == "pass_rate":  # the only reader: other runs keep no pass-rate state
+                # each row's total reward, as TRL sums it (global rows: TRL gathered them)
+                total = (rewards * trainer.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
+                self.batch["rewards"] = total.detach().double().cpu()
         return rewards
 
     def adjust_batch(self, trainer, output: dict) -> dict:
