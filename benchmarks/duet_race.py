@@ -156,9 +156,10 @@ def _step_metrics(trainer):
 
 
 def run_unit(arm: str, seed: int, jsonl: str, output_dir: str, steps: int = STEPS, probe: bool = False,
-             bf16: bool = False) -> None:
+             bf16: bool = False, settings: dict | None = None, key: dict | None = None) -> None:
     """One resumable (arm, seed) run; returns at once when ``jsonl`` says it is done. ``bf16`` (probes only: the race
-    itself is fp32) trains with TRL's ``bf16=True`` (CPU autocast)."""
+    itself is fp32) trains with TRL's ``bf16=True`` (CPU autocast). ``settings`` and ``key`` (the confirmatory race,
+    ``duet_confirm.py``) replace ``ARMS[arm]`` and this race's record key; everything else is this race's."""
     if bf16 and not probe:
         raise ValueError("bf16=True is for probes only: the race is fp32 by design (pre-registered)")
     import _runlog
@@ -169,12 +170,13 @@ def run_unit(arm: str, seed: int, jsonl: str, output_dir: str, steps: int = STEP
     from trl_fp8.app.tasks import mixed_math as mm
     from trl_fp8.models import SMOLLM2, resolve_model
 
-    key = _key(arm, seed) if not probe else {**_key(arm, seed), "bench": "duet_race_probe", "steps": steps,
-                                             **({"bf16": True} if bf16 else {})}
+    key = key or _key(arm, seed)
+    if probe:
+        key = {**key, "bench": key["bench"] + "_probe", "steps": steps, **({"bf16": True} if bf16 else {})}
     if _runlog.is_done(jsonl, key):
         return
     calibration = mm.load_calibration()
-    settings = ARMS[arm]
+    settings = settings if settings is not None else ARMS[arm]
     out = os.path.join(output_dir, _runlog.run_name(key))
     args = trl_fp8.GRPOConfig(
         output_dir=out, use_cpu=True, bf16=bf16, max_steps=steps, learning_rate=LR, lr_scheduler_type="constant",
@@ -217,14 +219,14 @@ def _zero_variance(rec: dict) -> float | None:
     return rec.get("duet/zero_std_groups_frac")
 
 
-def curves_from(runs: dict) -> dict:
+def curves_from(runs: dict, arms: dict = ARMS) -> dict:
     """(arm, seed) -> {points: [(step, tokens, seconds, rollouts, acc)], totals, done, steps run, per-step records}."""
     curves = {}
     for r in runs.values():
         arm, seed = r["key"]["arm"], r["key"]["seed"]
-        if arm not in ARMS:
+        if arm not in arms:
             continue
-        rows = PROMPTS * ARMS[arm]["num_generations"]
+        rows = PROMPTS * arms[arm]["num_generations"]
         tokens = seconds = rollouts = 0.0
         points = [(0, 0.0, 0.0, 0.0, r["evals"][0]["heldout"])] if 0 in r["evals"] else []
         for step in sorted(r["steps"]):
