@@ -37,10 +37,16 @@ def _ended_pid():
     return int(done.stdout)
 
 
+def _here(pid, **more):
+    """An owner record of this host, PID namespace and boot."""
+    return {"pid": pid, "host": socket.gethostname(), "started": None, "pid_ns": staging._pid_namespace(),
+            "boot_id": staging._boot_id(), **more}
+
+
 def test_only_stale_staging_folders_are_removed(tmp_path):
     host = socket.gethostname()
-    live_here = _staging(tmp_path, "_tmp-checkpoint-1", {"pid": os.getppid(), "host": host, "started": None})
-    ended_here = _staging(tmp_path, "_tmp-checkpoint-2", {"pid": _ended_pid(), "host": host, "started": None})
+    live_here = _staging(tmp_path, "_tmp-checkpoint-1", _here(os.getppid()))
+    ended_here = _staging(tmp_path, "_tmp-checkpoint-2", _here(_ended_pid()))
     fresh_elsewhere = _staging(tmp_path, "_tmp-checkpoint-3", {"pid": 1, "host": host + "-other-pod"},
                                age_s=60)
     silent_elsewhere = _staging(tmp_path, "_tmp-checkpoint-4", {"pid": 1, "host": host + "-other-pod"},
@@ -97,3 +103,106 @@ def test_a_second_job_leaves_a_save_in_progress_alone(tmp_path):
     assert check_complete(str(out / "checkpoint-1")).complete
     assert not (out / "checkpoint-1" / OWNER).exists()
     assert not [n for n in os.listdir(out) if n.startswith("_tmp-")]
+
+
+@pytest.mark.parametrize("differs", ["pid_ns", "boot_id", "both_missing"])
+def test_an_owner_in_another_pid_namespace_or_boot_is_judged_by_its_heartbeat(tmp_path, differs):
+    """Two containers with one host name: the owner's pid means nothing here (it may name no process, or another
+    one). Its folder is live while the heartbeat is fresh, stale once it is older than STALE_AFTER_S."""
+    elsewhere = _here(_ended_pid())  # no such process in this namespace: the pid rule would call it ended
+    if differs == "both_missing":  # an owner file of an older trl_fp8: it does not say where the pid lives
+        del elsewhere["pid_ns"], elsewhere["boot_id"]
+    else:
+        elsewhere[differs] = "pid:[4026531836]-another" if differs == "pid_ns" else "another-boot"
+    fresh = _staging(tmp_path, "_tmp-checkpoint-7", elsewhere, age_s=60)
+    silent = _staging(tmp_path, "_tmp-checkpoint-8", elsewhere, age_s=3 * 86400)
+    done = clean_stale(str(tmp_path))
+    assert os.path.isdir(fresh) and not os.path.exists(silent)
+    assert len(done) == 1 and "another PID namespace or boot" in done[0] and "has not refreshed it" in done[0]
+
+
+def test_the_owner_file_records_the_pid_namespace_and_boot(tmp_path):
+    heartbeat = staging.claim(str(tmp_path / "_tmp-checkpoint-1"))
+    try:
+        with open(tmp_path / "_tmp-checkpoint-1" / OWNER) as f:
+            owner = json.load(f)
+    finally:
+        heartbeat.stop()
+    assert owner["pid_ns"] == staging._pid_namespace() and owner["boot_id"] == staging._boot_id()
+    if os.path.exists("/proc/self/ns/pid"):
+        assert owner["pid_ns"].startswith("pid:[") and owner["boot_id"]
+
+
+def test_a_staging_folder_is_never_seen_without_its_owner(tmp_path, monkeypatch):
+    """A job starting (clean_stale) at the moment a save writes its owner file leaves the save's folder alone: the
+    folder only gets its name once the owner file is complete in it."""
+    import json as json_module
+
+    seen = []
+    dump = json_module.dump
+
+    def another_job_starts_meanwhile(obj, f, *a, **kw):
+        seen.append(clean_stale(str(tmp_path)))
+        return dump(obj, f, *a, **kw)
+
+    monkeypatch.setattr(staging.json, "dump", another_job_starts_meanwhile)
+    folder = tmp_path / "_tmp-checkpoint-3"
+    heartbeat = staging.claim(str(folder))
+    try:
+        assert seen == [[]]  # the other job removed nothing
+        assert (folder / OWNER).is_file() and staging.staleness(str(folder)) is None
+        assert sorted(os.listdir(tmp_path)) == ["_tmp-checkpoint-3"] and os.listdir(folder) == [OWNER]
+    finally:
+        heartbeat.stop()
+
+
+def test_an_old_unfinished_claim_is_stale(tmp_path):
+    young = tmp_path / "_tmp-claim-young"
+    old = tmp_path / "_tmp-claim-old"
+    young.mkdir()
+    old.mkdir()
+    past = time.time() - 2 * staging.STALE_AFTER_S
+    os.utime(old, (past, past))
+    done = clean_stale(str(tmp_path))
+    assert young.is_dir() and not old.exists() and "an unfinished claim" in done[0]
+
+
+def _fake_trainer(run_dir, step):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(should_save=True, save_on_each_node=False, world_size=1, process_index=0,
+                           push_to_hub=False, save_total_limit=None)
+    accelerator = SimpleNamespace(wait_for_everyone=lambda: None)
+    return SimpleNamespace(args=args, accelerator=accelerator, state=SimpleNamespace(global_step=step))
+
+
+def test_a_checkpoint_save_refuses_a_staging_folder_another_process_writes(tmp_path, monkeypatch):
+    """The live-owner rule of the final-model save holds for checkpoints too: a save of step 7 that finds another
+    live process's _tmp-checkpoint-7 raises instead of deleting it."""
+    from trl_fp8 import _trl
+    from trl_fp8.checkpoints import save
+
+    monkeypatch.setattr(_trl, "run_dir", lambda trainer, trial: str(tmp_path))
+    live = _staging(tmp_path, "_tmp-checkpoint-7", _here(os.getppid()))
+    with pytest.raises(staging.StagingBusy, match="being written by another process"):
+        save.save_checkpoint(_fake_trainer(str(tmp_path), 7), None)
+    assert (tmp_path / "_tmp-checkpoint-7" / "model.safetensors").is_file() and os.path.isdir(live)
+
+
+def test_a_checkpoint_save_puts_a_stale_complete_staging_copy_into_place_first(tmp_path, monkeypatch):
+    """A stale, complete _tmp-checkpoint-7 while checkpoint-7 is missing is the step's only copy: a new save of step 7
+    puts it into place (its own commit then replaces it) instead of deleting it."""
+    from trl_fp8 import _trl
+    from trl_fp8.checkpoints import commit, save
+
+    monkeypatch.setattr(_trl, "run_dir", lambda trainer, trial: str(tmp_path))
+    folder = _staging(tmp_path, "_tmp-checkpoint-7")
+    commit(folder, str(tmp_path / "checkpoint-7"))
+    os.rename(tmp_path / "checkpoint-7", folder)  # as if killed between the marker and the rename
+    _staging_owner = _here(_ended_pid())
+    with open(os.path.join(folder, OWNER), "w") as f:
+        json.dump(_staging_owner, f)
+    monkeypatch.setattr(save, "_stage", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("killed while staging")))
+    with pytest.raises(RuntimeError, match="killed while staging"):
+        save.save_checkpoint(_fake_trainer(str(tmp_path), 7), None)
+    assert check_complete(str(tmp_path / "checkpoint-7")).complete

@@ -16,6 +16,8 @@ TMP_PREFIX = "_tmp-"
 FORMAT = 1
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TMP_CHECKPOINT = re.compile(r"^_tmp-checkpoint-(\d+)$")
+TMP_REPLACED_CHECKPOINT = re.compile(r"^_tmp-replaced-checkpoint-(\d+)$")  # the previous copy, during a commit
+TMP_CLAIM = TMP_PREFIX + "claim-"  # a staging folder being created with its owner file (renamed at once)
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
                "adapter_model.safetensors", "adapter_model.bin")
 

@@ -7,18 +7,17 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 
 import torch
 
-from .. import _trl
+from .. import _trl, distributed
 from .._version import __version__
 from .complete import check_complete
 from .durable import commit, fsync_dir, remove_checkpoint, remove_tree, sync_tree, write_json
 from .layout import FORMAT, OWNER, SETTINGS, TMP_PREFIX, generation_state_file
 from .resume import own_checkpoint
 from .settings import settings_of
-from .staging import claim, staleness, storage_shared_with_main
+from .staging import claim, storage_shared_with_main, take_over
 
 logger = logging.getLogger("trl_fp8.checkpoints")
 
@@ -36,13 +35,8 @@ def save_checkpoint(trainer, trial, states: dict | None = None) -> str:
     tmp = os.path.join(run_dir, TMP_PREFIX + name)
     shared = storage_shared_with_main(trainer, run_dir)  # collectives: every process takes part, saver or not
     committer = args.should_save and not shared
-    heartbeat = None
-    if committer:
-        os.makedirs(run_dir, exist_ok=True)
-        if os.path.lexists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-        heartbeat = claim(tmp)  # a job starting meanwhile (a replacement pod) leaves this folder alone
+    # a job starting meanwhile (a replacement pod) leaves the claimed folder alone; a live one there is refused
+    heartbeat = _claim_everywhere(committer, tmp, f"checkpoint {name}")
     try:
         with main_process_saves(args, shared):
             _stage(trainer, trial, args, run_dir, tmp, final, committer, states or {})
@@ -55,6 +49,33 @@ def save_checkpoint(trainer, trial, states: dict | None = None) -> str:
     if committer:
         rotate(run_dir, args.save_total_limit, trainer.state.best_model_checkpoint, final)
     return final
+
+
+def _claim_everywhere(saver: bool, tmp: str, what: str):
+    """On a saver: settle what an earlier save left in ``tmp`` (refused when another process still writes it, see
+    :func:`~trl_fp8.checkpoints.staging.take_over`) and claim it. Every process calls it (a collective): a failure on
+    any saver is raised on every process, with that saver's message, so no rank is left waiting in the save's next
+    collective for one that raised. Returns the saver's heartbeat (None elsewhere)."""
+    heartbeat, error = None, None
+    if saver:
+        try:
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            done = take_over(tmp, what)
+            if done:
+                logger.info("trl_fp8: %s.", done)
+            heartbeat = claim(tmp)
+        except (OSError, RuntimeError) as err:
+            error = err
+    messages = distributed.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+    if failed:
+        if heartbeat is not None:
+            heartbeat.stop()  # ours, unwritten: stale now, removed by the next save or start
+        if error is not None:
+            raise error
+        rank, message = failed[0]
+        raise RuntimeError(f"trl_fp8: saving {what} failed on process {rank}, so this process stops too: {message}")
+    return heartbeat
 
 
 def _stage(trainer, trial, args, run_dir: str, tmp: str, final: str, committer: bool, states: dict) -> None:
@@ -108,18 +129,7 @@ def save_final_model(trainer, output_dir: str) -> None:
     tmp = os.path.join(output_dir, TMP_PREFIX + "final-model")
     shared = storage_shared_with_main(trainer, output_dir)  # collectives: every process takes part
     saver = args.should_save and not shared
-    heartbeat = None
-    if saver:
-        os.makedirs(output_dir, exist_ok=True)
-        if os.path.lexists(tmp):
-            why = staleness(tmp)
-            if why is None:
-                raise RuntimeError(f"{tmp} is being written by another process (its {os.path.basename(tmp)}/"
-                                   "trl_fp8_owner.json names it): two runs are saving a final model into "
-                                   f"{output_dir} at once. Give each run its own output_dir.")
-            remove_tree(tmp, f"left by an interrupted final save: {why}")
-        os.makedirs(tmp)
-        heartbeat = claim(tmp)
+    heartbeat = _claim_everywhere(saver, tmp, "a final model")
     try:
         with main_process_saves(args, shared):
             _write_final_model(trainer, output_dir, tmp)
@@ -192,7 +202,7 @@ def save_stopped_run(trainer, trial):
     existing = os.path.join(_trl.run_dir(trainer, trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
     saved = None
     mine = os.path.realpath(existing) in getattr(trainer, "_trl_fp8_own_checkpoints", ())  # not an earlier run's
-    if step > 0 and not (mine and check_complete(existing).complete):
+    if any_process(step > 0 and not (mine and check_complete(existing).complete)):
         saved = save_checkpoint(trainer, trial, states)
     if state.is_world_process_zero:
         logger.warning("trl_fp8: the step in flight (%d) was stopped at a micro-batch/generation boundary; %s. Resume "
@@ -201,6 +211,13 @@ def save_stopped_run(trainer, trial):
                        (f"{existing} (step {step}) is already saved" if step > 0 else "no step had completed"))
     trainer.control = trainer.callback_handler.on_train_end(args, state, trainer.control)
     return TrainOutput(step, float("nan"), {"stopped_in_step": step + 1})
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` holds on any process (a collective; ``flag`` itself on one process): one decision every
+    rank takes together, where each rank's own view (of its disk, of what it saved) could differ and leave some
+    ranks in a save's collectives that the others never enter."""
+    return any(distributed.gather_objects(bool(flag)))
 
 
 def rotate(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None, newest: str) -> list[str]:

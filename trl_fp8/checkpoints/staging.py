@@ -1,13 +1,24 @@
 """What interrupted saves leave in a run folder (``_tmp-*``) and who may clean it up; which savers share storage.
 
 **Owned staging folders.** A save stages into ``_tmp-checkpoint-N`` (or ``_tmp-final-model``) holding an owner file,
-:data:`OWNER` (the process id, the host name and the process's start time), whose modification time a heartbeat
-thread refreshes every :data:`HEARTBEAT_S` seconds while the save runs. :func:`clean_stale`, run when a job starts,
-removes only stale ``_tmp-*`` folders: one whose owner is a process of this host that no longer runs (or whose pid
-now names another process), one this very process owns but is no longer writing (a ``train()`` that raised), one
-owned on another host whose heartbeat is older than :data:`STALE_AFTER_S`, and one without an owner file (folders
-renamed aside for deletion, or left by trl_fp8 before owner files). A live one — a terminating pod still writing its
-SIGTERM save while its replacement starts — is left alone.
+:data:`OWNER` (the process id, the host name, the process's start time, its PID namespace and the kernel's boot id),
+whose modification time a heartbeat thread refreshes every :data:`HEARTBEAT_S` seconds while the save runs. The
+folder is created with its owner file already in it (built as ``_tmp-claim-*`` and renamed), and the owner file is
+written whole (a temporary file renamed), so no other job ever sees a staging folder without its owner.
+
+:func:`clean_stale`, run when a job starts, removes only stale ``_tmp-*`` folders: one whose owner is a process of
+this host, PID namespace and boot that no longer runs (or whose pid now names another process), one this very
+process owns but is no longer writing (a ``train()`` that raised), one whose owner runs elsewhere — another host, or
+the same host name in another PID namespace or boot (containers, where a pid means nothing across namespaces), or an
+owner file that does not say — with a heartbeat older than :data:`STALE_AFTER_S`, a ``_tmp-claim-*`` folder older
+than that, and one without an owner file (folders renamed aside for deletion, or left by trl_fp8 before owner
+files). A live one — a terminating pod still writing its SIGTERM save while its replacement starts — is left alone.
+A save that finds its staging folder already there applies the same rule (:func:`take_over`): it refuses a live one.
+
+**No copy of a step is lost.** A stale ``_tmp-checkpoint-N`` that is complete while ``checkpoint-N`` is missing
+(killed between the marker and the rename) is renamed into place, and so is a complete ``_tmp-replaced-checkpoint-N``
+(the previous copy of step N, renamed aside by a commit that was killed before its second rename): a complete copy of
+step N is removed only when a complete ``checkpoint-N`` exists.
 """
 
 from __future__ import annotations
@@ -18,10 +29,11 @@ import os
 import socket
 import threading
 import time
+import uuid
 
 from .complete import check_complete
 from .durable import fsync_dir, remove_tree
-from .layout import OWNER, TMP_CHECKPOINT, TMP_PREFIX
+from .layout import OWNER, TMP_CHECKPOINT, TMP_CLAIM, TMP_PREFIX, TMP_REPLACED_CHECKPOINT
 
 logger = logging.getLogger("trl_fp8.checkpoints")
 
@@ -37,6 +49,46 @@ def _process_started(pid: int) -> float | None:
         return round(psutil.Process(pid).create_time(), 3)
     except Exception:  # noqa: BLE001 - psutil missing, or no such process
         return None
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace (``pid:[inode]``), or None where there is no ``/proc`` (a pid is then host-wide)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _boot_id() -> str | None:
+    """The running kernel's boot id (a new one at every boot), or None where there is no ``/proc``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _owner_record() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _process_started(os.getpid()),
+            "pid_ns": _pid_namespace(), "boot_id": _boot_id(), "since": time.time()}
+
+
+def _write_owner(folder: str) -> str:
+    """Write this process's owner file into ``folder`` whole: a temporary file, fsync'd, renamed over :data:`OWNER`
+    (a reader sees the previous content or the complete new one, never an empty or partial file)."""
+    path = os.path.join(folder, OWNER)
+    part = os.path.join(folder, f".{OWNER}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part")
+    try:
+        with open(part, "w", encoding="utf-8") as f:
+            json.dump(_owner_record(), f)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    finally:
+        if os.path.lexists(part):
+            os.remove(part)
+    return path
 
 
 def _pid_runs(pid: int) -> bool:
@@ -58,11 +110,8 @@ class Heartbeat:
         self.folder = os.path.abspath(folder)
         self.path = os.path.join(self.folder, OWNER)
         self._stop = threading.Event()
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": _process_started(os.getpid()),
-                  "since": time.time()}
-        with open(self.path, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-            f.write("\n")
+        if not os.path.isfile(self.path):  # claim() wrote it before the folder got its name
+            _write_owner(self.folder)
         _ACTIVE.add(self.folder)
         self._thread = threading.Thread(target=self._beat, args=(interval_s,), name="trl_fp8-staging-heartbeat",
                                         daemon=True)
@@ -82,23 +131,51 @@ class Heartbeat:
 
 
 def claim(folder: str) -> Heartbeat:
-    """Mark ``folder`` (just created) as being written by this process until the returned heartbeat is stopped."""
+    """Create ``folder`` owned by this process until the returned heartbeat is stopped: it is built as a
+    ``_tmp-claim-*`` sibling holding the owner file, then renamed to ``folder`` — which never exists without its
+    owner file. An existing ``folder`` (made by the caller) gets the owner file written into it whole."""
+    folder = os.path.abspath(folder)
+    if not os.path.isdir(folder):
+        parent = os.path.dirname(folder)
+        draft = os.path.join(parent, f"{TMP_CLAIM}{uuid.uuid4().hex}")
+        os.makedirs(draft)
+        try:
+            _write_owner(draft)
+            os.rename(draft, folder)  # fails when another process claimed ``folder`` meanwhile (it is not empty)
+        except BaseException:
+            remove_tree(draft, "a claim that did not complete")
+            raise
+        fsync_dir(parent)
     return Heartbeat(folder)
+
+
+def _same_kernel(owner: dict) -> bool:
+    """Whether the owner file's process ran on this host, in this PID namespace, since this boot: only then does
+    its pid name a process here. An owner file without the namespace and boot (older trl_fp8) does not say so."""
+    return (str(owner.get("host")) == socket.gethostname() and owner.get("pid_ns") == _pid_namespace()
+            and owner.get("boot_id") == _boot_id())
 
 
 def staleness(folder: str, now: float | None = None) -> str | None:
     """Why ``folder`` (a ``_tmp-*`` folder) is stale and may be removed, or None while its owner still writes it."""
     path = os.path.join(folder, OWNER)
+    now = time.time() if now is None else now
+    if os.path.basename(os.path.normpath(folder)).startswith(TMP_CLAIM) and not os.path.isfile(path):
+        try:  # a claim being built (its owner file comes next): live while young
+            age = now - os.path.getmtime(folder)
+        except OSError:
+            return None
+        return f"an unfinished claim, {age:.0f} s old" if age > STALE_AFTER_S else None
     try:
         with open(path, encoding="utf-8") as f:
             owner = json.load(f)
-        age = (time.time() if now is None else now) - os.path.getmtime(path)
+        age = now - os.path.getmtime(path)
         pid, host = int(owner["pid"]), str(owner["host"])
     except FileNotFoundError:
         return "no owner file"
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"unreadable owner file ({err})"
-    if host == socket.gethostname():
+    if _same_kernel(owner):
         if pid == os.getpid() and owner.get("started") == _process_started(pid):
             return None if os.path.abspath(folder) in _ACTIVE else "this process no longer writes it"
         if not _pid_runs(pid):
@@ -107,15 +184,57 @@ def staleness(folder: str, now: float | None = None) -> str | None:
         if started is not None and _process_started(pid) not in (None, started):
             return f"its owner, process {pid} on this host, has ended (the pid is another process's now)"
         return None
-    if age > STALE_AFTER_S:
-        return f"its owner, process {pid} on {host}, has not refreshed it for {age:.0f} s (> {STALE_AFTER_S:.0f} s)"
+    if age > STALE_AFTER_S:  # another host, or this host name in another PID namespace or boot: the heartbeat says
+        where = host if host != socket.gethostname() else f"{host} (another PID namespace or boot)"
+        return f"its owner, process {pid} on {where}, has not refreshed it for {age:.0f} s (> {STALE_AFTER_S:.0f} s)"
     return None
+
+
+def settle(path: str, why: str) -> str | None:
+    """Deal with the stale ``_tmp-*`` folder ``path`` (``why``: :func:`staleness`'s verdict): a complete, marked
+    ``_tmp-checkpoint-N`` or ``_tmp-replaced-checkpoint-N`` while ``checkpoint-N`` is missing is renamed into place
+    (the step's only copy); anything else is removed. Returns what was done, or None when it could not be removed."""
+    run_dir, name = os.path.split(os.path.normpath(path))
+    m = TMP_CHECKPOINT.match(name) or TMP_REPLACED_CHECKPOINT.match(name)
+    final = os.path.join(run_dir, f"checkpoint-{m.group(1)}") if m else None
+    verdict = check_complete(path) if final is not None and not os.path.lexists(final) else None
+    if verdict is not None and verdict.complete and verdict.marked:
+        os.rename(path, final)
+        fsync_dir(run_dir)
+        if os.path.lexists(os.path.join(final, OWNER)):
+            os.remove(os.path.join(final, OWNER))
+        what = "save" if TMP_CHECKPOINT.match(name) else "commit (the previous copy put back)"
+        return f"completed the interrupted {what} of {os.path.basename(final)}"
+    if remove_tree(path, f"left by an interrupted save or rotation: {why}"):
+        return f"removed {name}, left by an interrupted save or rotation ({why})"
+    return None
+
+
+class StagingBusy(RuntimeError):
+    """A save's staging folder is being written by another live process."""
+
+
+def take_over(path: str, what: str) -> str | None:
+    """Before a save stages into ``path``: nothing when it does not exist; :class:`StagingBusy` when another process
+    still writes it (:func:`staleness`); else it is settled (:func:`settle`: put into place when it is a step's only
+    complete copy, removed otherwise). ``what``: the save, for the message. Returns what was done."""
+    if not os.path.lexists(path):
+        return None
+    why = staleness(path)
+    if why is None:
+        raise StagingBusy(f"{path} is being written by another process (its {OWNER} names it): two runs are "
+                          f"saving {what} into {os.path.dirname(path)} at once. Give each run its own output_dir.")
+    done = settle(path, why)
+    if os.path.lexists(path):
+        raise OSError(f"could not clear {path} ({why}) before {what}: remove it by hand")
+    return done
 
 
 def clean_stale(run_dir: str) -> list[str]:
     """Remove the stale ``_tmp-*`` folders (see :func:`staleness`) a killed save or rotation left in ``run_dir``; a
     stale ``_tmp-checkpoint-N`` that is complete while ``checkpoint-N`` is missing (killed between the marker and the
-    rename) is renamed into place. Live ones are left alone. Returns what was done, one line each."""
+    rename) is renamed into place, and so is a complete ``_tmp-replaced-checkpoint-N`` while ``checkpoint-N`` is missing
+    (killed between a commit's two renames). Live ones are left alone. Returns what was done, one line each."""
     done = []
     if not os.path.isdir(run_dir):
         return done
@@ -127,18 +246,9 @@ def clean_stale(run_dir: str) -> list[str]:
         if why is None:  # a save in progress (e.g. a terminating job's last checkpoint): not ours to touch
             logger.info("%s: %s is being written by another process; left alone.", run_dir, name)
             continue
-        m = TMP_CHECKPOINT.match(name)
-        final = os.path.join(run_dir, f"checkpoint-{m.group(1)}") if m else None
-        verdict = check_complete(path) if final is not None and not os.path.lexists(final) else None
-        if verdict is not None and verdict.complete and verdict.marked:
-            os.rename(path, final)
-            fsync_dir(run_dir)
-            if os.path.lexists(os.path.join(final, OWNER)):
-                os.remove(os.path.join(final, OWNER))
-            done.append(f"completed the interrupted save of {os.path.basename(final)}")
-            continue
-        if remove_tree(path, f"left by an interrupted save or rotation: {why}"):
-            done.append(f"removed {name}, left by an interrupted save or rotation ({why})")
+        line = settle(path, why)
+        if line is not None:
+            done.append(line)
     if done:
         fsync_dir(run_dir)
     return done
