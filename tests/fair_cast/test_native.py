@@ -698,3 +698,36 @@ def test_a_tensor_off_the_cpu_is_refused_before_the_call():
     with pytest.raises(ValueError, match="src must be on the CPU, got device meta"):
         _native.sr_bf16(lib, torch.empty(4, device="meta"), None, 1, 1)
     assert lib.calls == []
+
+
+def test_a_cc_that_names_nothing_is_not_replaced_by_another_compiler(tmp_path, monkeypatch):
+    """``CC`` names the compiler: one that is not found gives no compiler and one warning naming it (the PyTorch path
+    runs), not a silent build with whatever ``cc`` PATH holds."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.delenv("TRL_FP8_NO_NATIVE", raising=False)
+    monkeypatch.setattr(_native, "_CC_WARNED", set())
+    assert _native._compiler() is None
+    with pytest.warns(RuntimeWarning, match="CC=.*no-such-cc.*names no program found"):
+        assert _native.load() is None
+    monkeypatch.delenv("CC")
+    fake = tmp_path / "bin" / "cc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake.parent))
+    assert _native._compiler() == str(fake)  # without CC: found through PATH
+
+
+def test_no_module_of_the_package_exceeds_600_lines():
+    import trl_fp8
+
+    root = os.path.dirname(trl_fp8.__file__)
+    long = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    count = sum(1 for _ in f)
+                if count > 600:
+                    long.append(f"{os.path.relpath(os.path.join(folder, name), root)}: {count}")
+    assert long == []

@@ -1,8 +1,9 @@
 """Fused CPU kernels for the fp32 -> bf16 exports (stochastic rounding, error feedback).
 
-A small C file is compiled on first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``,
-with OpenMP and ``-march=native``) into a cache folder and called through ``ctypes`` on the tensors' memory:
-one pass over the data, the hash RNG computed in registers. It has no Python or torch headers, so it builds
+A small C file (:mod:`~trl_fp8.fair_cast._kernel_source`) is compiled on first use with a C compiler: ``$CC``
+when set (a program name looked up through ``PATH``, or a path; one that names nothing gives one warning and the
+PyTorch path, never another compiler), else the first of ``cc``/``gcc``/``clang`` found through ``PATH`` — with
+OpenMP and ``-march=native``, into a cache folder — and called through ``ctypes`` on the tensors' memory: one pass over the data, the hash RNG computed in registers. It has no Python or torch headers, so it builds
 in about a second. If no compiler is available (or ``TRL_FP8_NO_NATIVE=1``), :func:`load` returns None and
 callers use the PyTorch implementation, which gives bit-identical results (tested).
 
@@ -60,106 +61,7 @@ from pathlib import Path
 
 import torch
 
-C_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-
-static inline uint32_t mix32(uint32_t x) {
-    x ^= x >> 16; x *= 0x7FEB352DU; x ^= x >> 15; x *= 0x846CA68BU; x ^= x >> 16;
-    return x;
-}
-
-/* Round-to-nearest-even fp32 bits -> bf16 bits, for finite inputs whose result is finite. */
-static inline uint16_t rne_bf16(uint32_t b) {
-    return (uint16_t)((b + 0x7FFFU + ((b >> 16) & 1U)) >> 16);
-}
-
-#define SR_BLOCK 4096
-#define EXP_MASK 0x7F800000U
-#define GOLDEN 0x9E3779B9U
-
-/* The full rule for one element: fp32 bits b plus 16 random bits r, truncated to bf16; inf kept, NaN -> canonical
-   NaN, a finite value whose sum overflows saturates at +-max finite. */
-static inline uint16_t sr_full(uint32_t b, uint32_t r) {
-    uint32_t s = b + r;
-    uint32_t out = s >> 16;
-    uint32_t sat = ((b >> 16) & 0x8000U) | 0x7F7FU;
-    uint32_t special = (b & 0x007FFFFFU) ? 0x7FC0U : (b >> 16);
-    out = ((s & EXP_MASK) == EXP_MASK) ? sat : out;
-    out = ((b & EXP_MASK) == EXP_MASK) ? special : out;
-    return (uint16_t)out;
-}
-
-/* One block of at most SR_BLOCK elements whose first element draws counter c0. Written for 32-bit vector lanes
-   (AVX2 as much as AVX-512): the counter hash (c0 + k) * GOLDEN + key is carried as h += GOLDEN (no multiply, no
-   64-bit index to narrow per vector), and the common case (finite in, finite out: (b + r) >> 16) runs in one pass
-   that keeps the largest exponent field seen in b or b + r; only a block where it is all ones (an inf/NaN input,
-   or a sum that overflowed) is redone with the full rule. The same bits as sr_full everywhere. */
-static inline void sr_block(const uint32_t *restrict src, uint16_t *restrict dst, uint32_t count, uint32_t c0,
-                            uint32_t key) {
-    uint32_t h = c0 * GOLDEN + key;
-    uint32_t worst = 0;
-    #pragma omp simd reduction(max:worst) linear(h:GOLDEN)
-    for (uint32_t k = 0; k < count; ++k) {
-        uint32_t b = src[k];
-        uint32_t s = b + (mix32(h) >> 16);
-        uint32_t eb = b & EXP_MASK, es = s & EXP_MASK;
-        uint32_t e = eb > es ? eb : es;
-        worst = worst > e ? worst : e;
-        dst[k] = (uint16_t)(s >> 16);
-        h += GOLDEN;
-    }
-    if (worst == EXP_MASK) {
-        uint32_t g = c0 * GOLDEN + key;
-        for (uint32_t k = 0; k < count; ++k, g += GOLDEN)
-            dst[k] = sr_full(src[k], mix32(g) >> 16);
-    }
-}
-
-/* offset: the global index of src[0] in its tensor (a shard's start), so shards draw the one-process bits
-   (element i draws counter (uint32)(offset + i)). */
-void trl_fp8_sr_bf16(const uint32_t *src, uint16_t *dst, int64_t n, uint32_t key, int nthreads, int64_t offset) {
-    int64_t blocks = (n + SR_BLOCK - 1) / SR_BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t j = 0; j < blocks; ++j) {
-        int64_t start = j * SR_BLOCK;
-        int64_t count = n - start < SR_BLOCK ? n - start : SR_BLOCK;
-        sr_block(src + start, dst + start, (uint32_t)count, (uint32_t)(start + offset), key);
-    }
-}
-
-/* Branch-free (one vector pass with AVX2 as with AVX-512): a non-finite input passes through (NaN -> canonical NaN)
-   and leaves a zero residual; the finite path's lanes are computed for every element and selected away there. */
-void trl_fp8_ef_bf16(const float *src, float *res, uint16_t *dst, int64_t n, int nthreads) {
-    #pragma omp parallel for simd schedule(static) num_threads(nthreads)
-    for (int64_t i = 0; i < n; ++i) {
-        float w = src[i];
-        uint32_t bw, b, q32;
-        memcpy(&bw, &w, 4);
-        int finite = (bw & 0x7F800000U) != 0x7F800000U;
-        float v = w + res[i];
-        memcpy(&b, &v, 4);
-        /* saturate at +-big in the integers (a float compare is not if-converted under -ftrapping-math): |v| past
-           big (0x7F7F0000), infinities included, becomes +-big; a NaN (above 0x7F800000) stays NaN */
-        uint32_t mag = b & 0x7FFFFFFFU;
-        b = (mag > 0x7F7F0000U && mag <= 0x7F800000U) ? ((b & 0x80000000U) | 0x7F7F0000U) : b;
-        memcpy(&v, &b, 4);
-        uint16_t q = rne_bf16(b);
-        q32 = ((uint32_t)q) << 16;
-        float qf;
-        memcpy(&qf, &q32, 4);
-        float r = v - qf;  /* computed for every lane (only a NaN's invalid flag differs), then selected */
-        uint32_t rb;
-        memcpy(&rb, &r, 4);
-        rb &= 0U - (uint32_t)finite;  /* +0.0f where not finite, selected in the integers (a float select lets the
-                                         compiler sink the subtraction into a branch it cannot vectorize) */
-        memcpy(res + i, &rb, 4);
-        uint16_t passed = (bw & 0x007FFFFFU) ? (uint16_t)0x7FC0U : (uint16_t)(bw >> 16);
-        dst[i] = finite ? q : passed;
-    }
-}
-"""
+from ._kernel_source import C_SOURCE
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 
@@ -214,9 +116,18 @@ def vector_extensions() -> list[str]:
     return sorted(found)
 
 
+_CC_WARNED: set[str] = set()  # the $CC values already warned about (one warning each per process)
+
+
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
+    """The C compiler's path: ``$CC`` when it is set — a program name looked up through ``PATH``, or a path — and
+    then only that one (a ``$CC`` that names no program gives None: no silent switch to another compiler); else the
+    first of ``cc``, ``gcc``, ``clang`` found through ``PATH``."""
+    wanted = os.environ.get("CC", "").strip()
+    if wanted:
+        return shutil.which(wanted)
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
             return shutil.which(name)
     return None
 
@@ -500,6 +411,12 @@ def load(isa: str | None = None):
         return None
     cc = _compiler()
     if cc is None:
+        wanted = os.environ.get("CC", "").strip()
+        if wanted and wanted not in _CC_WARNED:
+            _CC_WARNED.add(wanted)
+            warnings.warn(f"trl_fp8: CC={wanted!r} names no program found (through PATH, or as a path); the Fair Cast "
+                          "exports use the PyTorch implementation (same results, slower). Set CC to a C compiler, or "
+                          "unset it to use cc, gcc or clang from PATH.", RuntimeWarning, stacklevel=2)
         return None
     folder_path = _cache_dir()
     folder, reason = _prepare_dir(folder_path)
