@@ -270,3 +270,21 @@ def test_the_trainer_feeds_the_total_reward_and_the_allocator_favours_mixed_prom
     counts = dict(zip(keys.values(), plan.counts.tolist()))
     mixed = [n for (_, solved), n in zip(keys.items(), plan.counts.tolist(), strict=True) if not solved]
     assert max(mixed) == 8 and counts[True] <= 2
+
+
+def test_a_reward_of_none_is_neither_a_pass_nor_a_fail():
+    """TRL's None ("this reward function does not apply to this sample", NaN once TRL gathered the rewards): a
+    function that returned None is left out of the row's total, as TRL's nansum does, and a row no function applied
+    to is not judged at all, neither a pass nor a fail of its prompt."""
+    from trl_fp8.duet.passrate import total_rewards
+
+    nan = float("nan")
+    per_func = torch.tensor([[1.0, nan], [nan, nan], [0.0, 0.2], [nan, 1.0]])
+    total = total_rewards(per_func, torch.tensor([1.0, 0.5]))
+    assert total[0] == 1.0 and torch.isnan(total[1]) and total[2] == pytest.approx(0.1) and total[3] == 0.5
+    c = _controller(pass_decay=1.0)
+    _observe(c, ["some_unjudged", "all_unjudged"], {"some_unjudged": [1.0, nan, 0.0, nan],
+                                                     "all_unjudged": [nan, nan]})
+    assert c.pass_rates.counts("some_unjudged") == (1, 1)  # the two None rows count nowhere
+    assert "all_unjudged" not in c.pass_rates  # nothing observed of it: still cold
+    assert c.pass_rates.recent_rate == pytest.approx(0.5)  # 1 pass of 2 judged rollouts

@@ -18,6 +18,7 @@ from .. import _trl, distributed
 from ..capability import Capability, Conflict, check_fraction, check_int, check_number
 from .controller import ALLOCATORS, DuetController
 from .markers import compile_markers
+from .passrate import total_rewards
 from .sampling import DuetStoppingCriteria
 from .vllm import engine_rollouts
 
@@ -497,8 +498,9 @@ class Duet(Capability):
         if self.batch is not None and trainer.model.training:
             rewards[self._excluded_rows(rewards.size(0)).to(rewards.device)] = torch.nan
             if self.controller.allocator == "pass_rate":  # the only reader: other runs keep no pass-rate state
-                # each row's total reward, as TRL sums it (global rows: TRL gathered them)
-                total = (rewards * trainer.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
+                # each row's total reward, as TRL sums it (global rows: TRL gathered them); NaN where no reward
+                # function applied (all None), which the pass rates then leave out rather than count as a fail
+                total = total_rewards(rewards, trainer.reward_weights)
                 self.batch["rewards"] = total.detach().double().cpu()
         return rewards
 

@@ -14,7 +14,7 @@ import torch
 from .abort import RolloutMonitor
 from .allocation import allocate_rollouts, importance_weights, propensities
 from .markers import MarkerDetector
-from .passrate import PassRates, allocate_by_variance
+from .passrate import PassRates, allocate_by_variance, passes_and_fails
 from .surrogate import LengthQuantiles, PromptStats, informativeness
 
 
@@ -249,7 +249,8 @@ class DuetController:
                 rewards: torch.Tensor | None = None) -> None:
         """Learn from the batch: per-prompt informativeness and lengths of the kept (non-aborted) rollouts, and with
         ``rewards`` (each rollout's total reward, in the order of ``lengths``) their passes (reward >=
-        ``pass_threshold``) and fails for the pass-rate surrogate."""
+        ``pass_threshold``) and fails for the pass-rate surrogate (a NaN reward — every reward function returned None for
+        it, TRL's "does not apply" — counts as neither)."""
         if self.allocator == "pass_rate" and rewards is None:
             raise ValueError("the pass-rate allocator learns from rewards: observe() needs them")
         kept_lengths = []
@@ -263,11 +264,12 @@ class DuetController:
             if len(idx) >= 2:
                 s = informativeness(advantages[idx], sum_logps[idx])
                 self.stats.update(key, s, group_lengths)
-                if rewards is not None:
-                    passes = sum(float(rewards[i]) >= self.pass_threshold for i in idx)
-                    self.pass_rates.update(key, passes, len(idx) - passes)
+                if rewards is not None:  # a NaN reward (no reward function applied) is neither a pass nor a fail
+                    passes, fails = passes_and_fails([rewards[i] for i in idx], self.pass_threshold)
+                    if passes + fails:
+                        self.pass_rates.update(key, passes, fails)
                     passes_all += passes
-                    kept_all += len(idx)
+                    kept_all += passes + fails
         self.pass_rates.observe_batch(passes_all, kept_all)
         self.stats.observe_batch_lengths(kept_lengths)
         self.quantiles.add(kept_lengths)

@@ -128,6 +128,25 @@ class PassRates:
         self.recent_rate = float(state["recent_rate"])
 
 
+def total_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each row's total reward as TRL sums it (``(rewards_per_func * weights).nansum(dim=1)``: a function that
+    returned None — TRL's NaN, "does not apply to this sample" — is left out), and NaN where every function returned
+    None: such a rollout was not judged at all, so it is neither a pass nor a fail (:meth:`PassRates.update` never
+    sees it; TRL itself warns about such rows and lets them count 0 in the advantage)."""
+    weighted = rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)
+    total = weighted.nansum(dim=1)
+    return torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.full_like(total, float("nan")), total)
+
+
+def passes_and_fails(rewards, threshold: float) -> tuple[int, int]:
+    """Passes (reward >= ``threshold``) and fails among ``rewards``; a NaN reward (no reward function applied to
+    it) is neither."""
+    values = [float(r) for r in rewards]
+    judged = [v for v in values if v == v]  # NaN != NaN
+    passes = sum(v >= threshold for v in judged)
+    return passes, len(judged) - passes
+
+
 def allocate_by_variance(
     a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor, budget: float, n_min: int, n_max: int,
     cold: torch.Tensor | None = None, screen: int = 0, rng: random.Random | None = None,
