@@ -94,23 +94,22 @@ def test_mutual_overrides_are_named_as_such():
         composition.winner({a: "offer a", b: "offer b"})
 
 
-def test_the_resolved_composition_is_logged_at_start(tmp_path, demo_dir, caplog):
-    """One offer wins and is installed once; the log says who set up in which order, who serves, who generates and
-    who observes every sync."""
-    import logging
-
+def test_the_resolved_composition_is_printed_at_start(tmp_path, demo_dir, capsys):
+    """The sampling decision is installed once; what is printed at start (where a user sees it, as TRL prints its
+    settings) says who samples and what it is sent, who set up in which order, who generates and who observes
+    every sync."""
     import trl_fp8
     from trl_fp8.app.tasks.arithmetic import correctness_reward, make_arithmetic_dataset
 
     args = trl_fp8.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=1,
                               per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
                               report_to="none", save_strategy="no", fair_cast="stochastic", duet=True)
-    with caplog.at_level(logging.INFO, logger="trl_fp8"):
-        trainer = trl_fp8.GRPOTrainer(model=demo_dir, reward_funcs=[correctness_reward], args=args,
-                                      train_dataset=make_arithmetic_dataset(8, seed=1))
-    text = caplog.text
+    trainer = trl_fp8.GRPOTrainer(model=demo_dir, reward_funcs=[correctness_reward], args=args,
+                                  train_dataset=make_arithmetic_dataset(8, seed=1))
+    text = capsys.readouterr().out
     assert "capabilities in set-up order: fair_cast -> duet -> sync_checks" in text
-    assert "sampler: fair_cast's offer: transformers, sent its stream in bfloat16; generates: its model" in text
+    assert "trl_fp8 sampling: an in-process twin in the served dtype; owner: fair_cast; policy: full model" in text
+    assert trainer.sampling.kind == "twin" and trainer.serving().kind == "twin"
     assert "observers of every sync: sync_checks" in text and "in-process generation path: duet" in text
     offer = trainer.serving()
     assert offer.owner == "fair_cast" and offer.model is trainer.capability("fair_cast").sampler.model

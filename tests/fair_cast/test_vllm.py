@@ -8,6 +8,7 @@ import pytest
 import torch
 from trl.generation.vllm_generation import VLLMGeneration
 
+from trl_fp8 import _trl
 from trl_fp8.fair_cast.served import ServedCopy
 from trl_fp8.fair_cast.vllm import VLLMExport
 
@@ -68,7 +69,7 @@ def _served(mode="stochastic"):
 def test_sync_pushes_exactly_the_served_bf16_tensors(mode, dtype):
     model, served = _served()
     gen = _sampler(mode, dtype)
-    VLLMExport.install(gen, served)
+    _trl.set_vllm_stream(gen, VLLMExport(gen, served))
     gen.sync_weights()
     target = gen.llm if mode == "colocate" else gen.vllm_client
     assert [n for n, _ in target.pushed] == [n for n, _ in model.named_parameters()]
@@ -83,7 +84,7 @@ def test_sync_pushes_exactly_the_served_bf16_tensors(mode, dtype):
 def test_a_later_export_is_what_the_next_sync_pushes():
     model, served = _served("error_feedback")
     gen = _sampler("colocate", torch.bfloat16)
-    VLLMExport.install(gen, served)
+    _trl.set_vllm_stream(gen, VLLMExport(gen, served))
     first = {name: t.clone() for name, t in served.served.items()}
     served.before_step()
     with torch.no_grad():
@@ -102,7 +103,7 @@ def test_a_later_export_is_what_the_next_sync_pushes():
 def test_an_engine_in_another_dtype_is_refused(mode, dtype):
     _, served = _served()
     gen = _sampler(mode, dtype)
-    VLLMExport.install(gen, served)
+    _trl.set_vllm_stream(gen, VLLMExport(gen, served))
     with pytest.raises(ValueError, match="the vLLM engine runs in (float16|float32): loading would round"):
         gen.sync_weights()
 
@@ -110,7 +111,7 @@ def test_an_engine_in_another_dtype_is_refused(mode, dtype):
 def test_a_tensor_in_the_wrong_dtype_trips_the_guard():
     _, served = _served()
     gen = _sampler("colocate", torch.bfloat16)
-    VLLMExport.install(gen, served)
+    _trl.set_vllm_stream(gen, VLLMExport(gen, served))
     first = next(iter(served.served))
     served.served[first] = served.served[first].float()  # an fp32 tensor would be RTN-cast by vLLM
     with pytest.raises(AssertionError, match=f"would push '{first}' as torch.float32"):

@@ -72,7 +72,8 @@ class _Capability:
 def test_an_engine_started_with_bitsandbytes_quantization_is_refused(mode):
     gen = _generation(mode, quantization="bitsandbytes")
     capability = _Capability()
-    export = QLoRAVLLMExport.install(gen, capability)
+    export = QLoRAVLLMExport(gen, capability)
+    _trl.set_vllm_stream(gen, export)  # what the trainer's dense-stream installer does
     with pytest.raises(ValueError, match=r"fast QLoRA sends 16-bit dequant\(W\) \+ ΔW weights, but the vLLM engine "
                                          r"was started with quantization='bitsandbytes'\. Start it without "
                                          r"quantization"):
@@ -87,7 +88,8 @@ def test_an_engine_started_with_bitsandbytes_quantization_is_refused(mode):
 def test_a_16bit_engine_is_sent_the_export_in_its_dtype_under_trl_names(mode):
     gen = _generation(mode, dtype=torch.float16)
     capability = _Capability()
-    export = QLoRAVLLMExport.install(gen, capability)
+    export = QLoRAVLLMExport(gen, capability)
+    _trl.set_vllm_stream(gen, export)  # what the trainer's dense-stream installer does
     assert export.dtype() == torch.float16
     gen.sync_weights()
     pushed = gen.llm.pushed if mode == "colocate" else gen.vllm_client.pushed
@@ -103,64 +105,29 @@ def test_server_quantization_is_read_on_the_main_process_only():
     assert _trl.vllm_engine_quantization(_generation("colocate")) is None
 
 
-def test_dense_engine_drops_only_trls_bitsandbytes_quantization(monkeypatch):
+def test_the_engine_loads_what_the_sampling_decision_says(monkeypatch):
     import trl.generation.vllm_generation as trl_vllm
+
+    from trl_fp8 import sampling
 
     calls = []
     monkeypatch.setattr(trl_vllm, "LLM", lambda *a, **kw: calls.append(kw), raising=False)
     monkeypatch.setattr(_trl.vllm_engine, "vllm_platform_is_cpu", lambda: False)
-    colocate = SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="on", lora_serving="merged")
-    with _trl.engine_context(colocate, CAPABILITIES):
+    qlora = sampling.ModelFacts(lora=sampling.LoraFacts(8, ("q_proj",), scalings=(2.0,)), four_bit=True)
+
+    def decided(mode="colocate", **args):
+        args = SimpleNamespace(use_vllm=True, vllm_mode=mode, fair_cast="off", **args)
+        return sampling.decide(args, qlora, CAPABILITIES)
+
+    with _trl.engine_context(decided(fast_qlora="on", lora_serving="merged")):  # dense dequant(W) + ΔW: 16-bit
         trl_vllm.LLM(model="m", quantization="bitsandbytes")
-        trl_vllm.LLM(model="m", quantization="fp8")  # not TRL's 4-bit request: left alone
-    adapters = SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="on", lora_serving="auto")
-    with _trl.engine_context(adapters, CAPABILITIES):  # base + adapters: the engine keeps its own 4-bit base
+    with _trl.engine_context(decided(fast_qlora="on", lora_serving="auto")):  # base + adapters: its own 4-bit base
         trl_vllm.LLM(model="m", quantization="bitsandbytes")
-    with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="colocate", fast_qlora="off"), CAPABILITIES):
-        trl_vllm.LLM(model="m", quantization="bitsandbytes")  # TRL's QLoRA path as it is
-    with _trl.engine_context(SimpleNamespace(use_vllm=True, vllm_mode="server", fast_qlora="on"), CAPABILITIES):
-        trl_vllm.LLM(model="m", quantization="bitsandbytes")  # server mode builds no engine here
+    with _trl.engine_context(decided(fast_qlora="off", lora_serving="auto")):  # no capability: base + adapters too
+        trl_vllm.LLM(model="m", quantization="bitsandbytes")
+    with _trl.engine_context(decided("server", fast_qlora="on", lora_serving="merged")):  # no engine built here
+        trl_vllm.LLM(model="m", quantization="bitsandbytes")
     trl_vllm.LLM(model="m", quantization="bitsandbytes")  # outside the context
-    assert [c["quantization"] for c in calls] == [None, "fp8", "bitsandbytes", "bitsandbytes", "bitsandbytes",
+    assert [c["quantization"] for c in calls] == [None, "bitsandbytes", "bitsandbytes", "bitsandbytes",
                                                   "bitsandbytes"]
-
-
-def test_export_stream_dequantizes_4bit_linears_without_adapters(tiny_model_dir):
-    """LoraConfig(target_modules=["q_proj", "v_proj"]): the other linears stay 4-bit without adapters; a 16-bit
-    engine must be sent their dequantized weights (the packed codes have another shape and mean nothing to it)."""
-    pytest.importorskip("bitsandbytes")
-    from bitsandbytes.functional import dequantize_4bit
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from trl_fp8 import fourbit
-    from trl_fp8.fast_qlora.component import FastQLoRA
-    from trl_fp8.fast_qlora.counters import DequantCounter
-
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-    dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=config, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    fourbit.guard_cpu_repack(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)  # a non-zero ΔW
-    capability = SimpleNamespace(model=model, counter=DequantCounter())
-    stream = dict(FastQLoRA.export_stream(capability, torch.bfloat16))
-
-    shapes = {n: p.shape for n, p in dense.named_parameters()}
-    assert {n: t.shape for n, t in stream.items()} == shapes  # the dense checkpoint's names and shapes
-    assert all(t.dtype == torch.bfloat16 for t in stream.values())
-    k = model.base_model.model.model.layers[0].self_attn.k_proj  # 4-bit, no adapter
-    assert fourbit.is_4bit(k)
-    expected_k = dequantize_4bit(k.weight.data, k.weight.quant_state).to(torch.bfloat16)
-    assert torch.equal(stream["model.layers.0.self_attn.k_proj.weight"], expected_k)
-    q = model.base_model.model.model.layers[0].self_attn.q_proj  # LoRA over 4-bit
-    base = q.get_base_layer()
-    delta = (q.lora_B["default"].weight.float() @ q.lora_A["default"].weight.float()) * q.scaling["default"]
-    expected_q = (dequantize_4bit(base.weight.data, base.weight.quant_state).float() + delta).to(torch.bfloat16)
-    assert torch.equal(stream["model.layers.0.self_attn.q_proj.weight"], expected_q)
-    assert torch.equal(stream["model.layers.0.self_attn.q_proj.bias"], base.bias.detach().to(torch.bfloat16))
-    n_4bit = sum(fourbit.is_4bit(m) for m in model.modules())
-    assert capability.counter.explicit == n_4bit  # one dequantization per 4-bit linear, LoRA or not
+    assert [c.get("enable_lora") for c in calls] == [None, True, True, None, None]

@@ -139,7 +139,7 @@ def test_trl_sync_fails_on_packed_linears_without_plain_cpu_linears(tmp_path, de
     import trl_fp8._trl
 
     # Failure mode 1 of vLLM-CPU: linear weights packed into oneDNN handles, parameters deleted
-    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda args, capabilities=(), lora=None: contextlib.nullcontext())
+    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda decision: contextlib.nullcontext())
     trainer = _trainer(tmp_path, demo_dir, sync_checks="off", fair_cast="off", max_steps=1)
     with pytest.raises(AttributeError, match="weight_loader"):
         trainer.train()
@@ -156,7 +156,7 @@ def test_freshness_catches_the_stale_tied_lm_head_of_reload_weights(tmp_path, de
     import trl_fp8
     import trl_fp8._trl
 
-    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda args, capabilities=(), lora=None: contextlib.nullcontext())
+    monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda decision: contextlib.nullcontext())
 
     def reload_sync(self):
         weights = [(n, t.detach().clone()) for n, t in self._iter_named_params()]

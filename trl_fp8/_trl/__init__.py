@@ -54,6 +54,7 @@ from .trainer import (  # noqa: F401
     repatch_fused_head,
     patch_fused_head,
     peft_config_argument,
+    quantization_config_argument,
 )
 from .vllm_engine import (  # noqa: F401
     engine_sequence_logprobs,
@@ -74,8 +75,6 @@ from .vllm_engine import (  # noqa: F401
     vllm_cached_blocks,
     plain_cpu_linears,
     vllm_platform_is_cpu,
-    dense_engine,
-    engine_dtype,
     vllm_engine_quantization,
     engine_context,
     shutdown_vllm,
@@ -84,8 +83,7 @@ from .vllm_engine import (  # noqa: F401
 
 # vllm_lora (the vLLM LoRA glue) is imported on first use: it needs vLLM internals only when used.
 _LAZY = {name: ".vllm_lora" for name in (
-    "LoraEngineSpec", "VLLMLoraStream", "lora_engine", "lora_spec", "lora_manager", "engine_rank",
-    "fourbit_base_stream", "SERVER_REFUSAL", "SLEEP_REFUSAL",
+    "LoraEngineSpec", "VLLMLoraStream", "lora_manager", "engine_rank", "fourbit_base_stream",
 )}
 
 

@@ -87,13 +87,13 @@ MIRRORED = {
         "a resume in epoch e draws e first (advance_train_sampler), or it would replay epoch 0's order",
     "trl.generation.vllm_generation.VLLMGeneration._init_vllm":
         "colocate builds the engine by calling the module global LLM with keyword arguments, "
-        "quantization='bitsandbytes' for a 4-bit policy and no dtype (plain_cpu_linears, dense_engine and engine_dtype "
-        "rewrite them)",
+        "quantization='bitsandbytes' for a 4-bit policy and no dtype (plain_cpu_linears and engine_context rewrite them "
+        "as the sampling decision says)",
     "transformers.trainer.Trainer._maybe_log_save_evaluate":
         "log, then evaluate, then _save_checkpoint followed by on_save: the time budget measures a save from the last "
         "event before it (step end, on_log or on_evaluate) to on_save",
 }
-# Module globals of other packages that trl_fp8 patches (only inside plain_cpu_linears and dense_engine, while TRL
+# Module globals of other packages that trl_fp8 patches (only inside plain_cpu_linears and engine_context, while TRL
 # builds its engine; restored after).
 PATCHED_GLOBALS = (
     "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",

@@ -164,12 +164,23 @@ def patch_fused_head(trainer, policy: torch.nn.Module, twin: torch.nn.Module) ->
 def peft_config_argument(pargs: tuple, kwargs: dict):
     """The ``peft_config`` a ``GRPOTrainer(model, reward_funcs, args, *pargs, **kwargs)`` call passes (by keyword or
     by position, as TRL's signature places it), or None."""
+    return _init_argument("peft_config", pargs, kwargs)
+
+
+def quantization_config_argument(pargs: tuple, kwargs: dict):
+    """The ``quantization_config`` a ``GRPOTrainer(...)`` call passes (by keyword or by position), or None."""
+    return _init_argument("quantization_config", pargs, kwargs)
+
+
+def _init_argument(name: str, pargs: tuple, kwargs: dict):
     import inspect
 
     from trl import GRPOTrainer
 
-    if "peft_config" in kwargs:
-        return kwargs["peft_config"]
+    if name in kwargs:
+        return kwargs[name]
     names = list(inspect.signature(GRPOTrainer.__init__).parameters)[4:]  # after self, model, reward_funcs, args
-    index = names.index("peft_config") if "peft_config" in names else None
+    index = names.index(name) if name in names else None
     return pargs[index] if index is not None and index < len(pargs) else None
+
+

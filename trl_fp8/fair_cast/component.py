@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, distributed, fourbit, numerics, serving
+from .. import _trl, distributed, fourbit, numerics, sampling, serving
 from ..numerics import dtype_name
 from ..capability import Capability, Conflict, SamplerOffer, check_choice
-from ..samplers import TransformersSampler, install_vllm_lora
+from ..samplers import TransformersSampler
 from .callback import FairCastCallback
 from .rounding import SERVED_DTYPES
 from .served import EXPORT_MODES, ParamUnit, ServedCopy
@@ -108,17 +108,14 @@ class FairCast(Capability):
         return None
 
     @classmethod
-    def separate_sampler(cls, args) -> bool:
-        """The twin generates (a LoRA policy served as adapters generates itself; whether the run is LoRA is known at
-        set-up, so this says: possibly)."""
-        return cls.wanted(args)
-
-    @classmethod
-    def engine_lora(cls, args) -> bool:
-        """A LoRA policy served as adapters (``lora_serving``) to a colocated engine: it is built with LoRA enabled
-        (a full model or ``lora_serving='merged'`` gets the dense stream; the engine then never sees a LoRA request)."""
-        return cls.wanted(args) and serving.resolved(args) == "adapters" and getattr(args, "use_vllm", False) and \
-            getattr(args, "vllm_mode", None) == "colocate"
+    def serves(cls, args, facts) -> str | None:
+        """A full model (or a LoRA served merged): its served copy, as a dense stream to vLLM or to an in-process twin.
+        A LoRA served as adapters: its served factors as LoRA versions to vLLM; in-process, nothing (the policy itself,
+        its factors holding the served values, generates)."""
+        use_vllm = sampling.vllm_mode(args) != "off"
+        if facts.lora is not None and serving.resolved(args) == "adapters":
+            return sampling.LORA_VERSIONS if use_vllm else None
+        return sampling.DENSE_STREAM if use_vllm else sampling.TWIN
 
     def offer(self, trainer) -> SamplerOffer | None:
         """The served copy as what the sampler is sent: to the in-process twin (which then generates), to TRL's vLLM
@@ -128,32 +125,36 @@ class FairCast(Capability):
         if self.adapters:
             if not trainer.use_vllm:
                 return None
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            return SamplerOffer(self.export_stream, self.dtype, learner_values=self._learner_value,
-                                install=lambda t: install_vllm_lora(t, model, self.export_stream))
+            return SamplerOffer(self.export_stream, self.dtype, learner_values=self._learner_value)
         if trainer.use_vllm:
+            from .vllm import VLLMExport
+
+            self.vllm_export = VLLMExport(trainer.vllm_generation, self.served, self.export_stream)
             return SamplerOffer(self.export_stream, self.dtype, learner_values=self._learner_value,
-                                install=self._install_vllm)
+                                vllm_stream=self.vllm_export)
         return SamplerOffer(self.export_stream, self.dtype, sampler=self.sampler, model=self.sampler.model,
                             numerics=self._twin_numerics, learner_values=self._learner_value)
 
     def _learner_value(self, name: str) -> torch.Tensor | None:
         """What the loss computes with for a served tensor, read from the learner's parameter (which holds the
-        served value between optimizer steps; an adapter's ``lora_B`` holds it divided by its scaling), in the served
-        dtype — for the checks' ``quant_parity``, independently of the stream. None where no parameter holds it (a
-        merged LoRA layer, a 4-bit base, DeepSpeed's partitions)."""
+        served value between optimizer steps; an adapter's ``lora_B`` holds it divided by its scaling ``s``) — for
+        the checks' ``quant_parity``, independently of the stream. Under autocast the loss casts the parameter to the
+        autocast dtype and scales the layer's output by ``s``, so the effective factor is ``cast(B̂ / s) · s``,
+        computed here in fp32; it is returned in the served dtype when that holds it exactly, else in fp32 (and then
+        differs from what is served, which the check reports). None where no parameter holds it (a merged LoRA
+        layer, a 4-bit base, DeepSpeed's partitions)."""
         unit = self.served.units.get(name) if self.served is not None and self.zero is None else None
         param = getattr(unit, "param", None)
         if param is None:
             return None
         value = param.detach()
+        autocast = self._autocast_dtype
+        if autocast is not None:
+            value = value.to(autocast)
         scale = getattr(unit, "scale", 1.0)
-        return (value * scale if scale != 1 else value).to(self.dtype)
-
-    def _install_vllm(self, trainer) -> None:
-        from .vllm import VLLMExport
-
-        self.vllm_export = VLLMExport.install(trainer.vllm_generation, self.served, self.export_stream)
+        value = value.float() * scale if scale != 1 else value.float()
+        served = value.to(self.dtype)
+        return served if torch.equal(served.float(), value) else value
 
     @staticmethod
     def validate(args) -> None:
@@ -189,6 +190,7 @@ class FairCast(Capability):
                 "quantized alone. Use one of the two with LoRA."
             )
         self.dtype = SERVED_DTYPES[args.served_dtype]
+        self._autocast_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         self.mode, self.seed = args.fair_cast, args.resolved_fair_cast_seed()
         layout = distributed.detect(trainer)
         self.zero = None
@@ -211,12 +213,9 @@ class FairCast(Capability):
             units = [ParamUnit(n, p) for n, p in model.named_parameters()]
         self.served = ServedCopy(units, args.fair_cast, self.dtype, args.resolved_fair_cast_seed())
         if self.adapters:
-            # The policy itself is the served policy: its base as loaded, its factors holding the served values
+            pass  # the policy itself is the served policy: its base as loaded, its factors holding the served values
             # between optimizer steps. No twin; TRL's generation (or fast QLoRA's rollout cache) runs on it, or a
-            # vLLM engine is pushed the served factors as LoRA versions (see offer).
-            if trainer.use_vllm and trainer.vllm_mode != "colocate":
-                raise ValueError(f"fair_cast with lora_serving='adapters' and vllm_mode={trainer.vllm_mode!r}: "
-                                 f"{_trl.SERVER_REFUSAL} Or use lora_serving='merged' (a dense stream).")
+            # vLLM engine is pushed the served factors as LoRA versions (see offer; server mode: the decision refuses)
         elif not trainer.use_vllm:
             self.sampler = TransformersSampler(self._twin(trainer, model, units), describe=trainer.describe_tensors)
         if layout.kind == "deepspeed":  # ZeRO-1/2: DeepSpeed holds master and served copy

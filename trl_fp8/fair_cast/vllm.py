@@ -24,13 +24,6 @@ class VLLMExport:
         self.stream = stream if stream is not None else (lambda: iter(served.served.items()))
         self.engine_checked = False
 
-    @classmethod
-    def install(cls, generation, served: ServedCopy, stream=None) -> VLLMExport:
-        """``stream``: ``() -> (learner name, served tensor)`` pairs (default: ``served``'s own tensors)."""
-        export = cls(generation, served, stream)
-        _trl.set_vllm_stream(generation, export)
-        return export
-
     def check_engine_dtype(self) -> None:
         engine = _trl.vllm_engine_dtype(self.generation)
         served = dtype_name(self.served.dtype)

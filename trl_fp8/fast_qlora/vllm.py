@@ -3,7 +3,7 @@
 TRL 1.16 starts a colocated engine with ``quantization="bitsandbytes"`` for a 4-bit policy and syncs by merging the
 adapters into the 4-bit weights (lossy: a small adapter changes no 4-bit code, and every merge/unmerge drifts the
 base) and pushing packed uint8 without its quantization state. With fast QLoRA the engine is started without
-quantization (:func:`trl_fp8._trl.engine_context`: it then loads the checkpoint's 16-bit weights) and each sync
+quantization (the sampling decision's engine, built by :func:`trl_fp8._trl.engine_context`: it then loads the checkpoint's 16-bit weights) and each sync
 sends the dense merged weights in the engine's dtype: the 4-bit weights are never touched. TRL's own
 ``sync_weights`` does the pushing; only its stream is replaced, on the instance.
 """
@@ -19,12 +19,6 @@ class QLoRAVLLMExport:
         self.generation = generation
         self.capability = capability
         self._dtype = None
-
-    @classmethod
-    def install(cls, generation, capability) -> QLoRAVLLMExport:
-        export = cls(generation, capability)
-        _trl.set_vllm_stream(generation, export)
-        return export
 
     def dtype(self):
         """The engine's dtype (what the stream is cast to, so nothing rounds it again on the way)."""

@@ -169,6 +169,24 @@ def freshness(step: int, version, sent: dict[str, torch.Tensor], read, alias_rea
     return CheckResult("freshness", True)
 
 
+def rollout_versions(step: int, synced, generated: dict) -> CheckResult:
+    """Part of freshness, per rollout: every request that finished since the last call was generated with the
+    adapter version the learner synced (``synced``, e.g. its step). ``generated``: version -> finished requests, as
+    the engine reports them (None: a request without a LoRA request, served by the bare base; ``"unknown"``: a LoRA
+    id never pushed). Nothing reported: not applicable."""
+    total = sum(generated.values())
+    if not total:
+        return CheckResult("freshness", True, "no finished request reported the adapter it used", applicable=False)
+    wrong = {v: n for v, n in generated.items() if v is None or str(v) != str(synced)}
+    if wrong:
+        named = ", ".join(f"{n} with {'no adapter (the bare base)' if v is None else f'adapter version {v!r}'}"
+                          for v, n in sorted(wrong.items(), key=lambda kv: str(kv[0])))
+        return CheckResult("freshness", False, f"at step {step} {sum(wrong.values())} of {total} rollouts were "
+                                               f"generated {named}; the learner synced adapter version {synced!r}",
+                           {"rollouts_wrong_version": float(sum(wrong.values()))})
+    return CheckResult("freshness", True, metrics={"rollouts_checked": float(total)})
+
+
 # -- 4. quantized-weight parity ---------------------------------------------------------------------------------
 def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = None) -> CheckResult:
     """What the sampler computes with equals the learner's reference quantizer applied to the learner's weights.

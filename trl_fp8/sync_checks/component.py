@@ -65,6 +65,12 @@ class SyncChecksArgs:
         return resolve_checks(self.sync_checks)
 
 
+def _capabilities() -> tuple:
+    from ..capability import registered
+
+    return registered()
+
+
 def check_rows(mask: torch.Tensor) -> torch.Tensor:
     """The rows (with at least one masked-in token) the logprob check's reference runs on: ``ceil(n / 16)`` of the
     ``n`` active rows, at least 2 and at most 16 (all of them when fewer), evenly spaced."""
@@ -118,10 +124,12 @@ class SyncChecks(Capability):
         separate sampler to check (vLLM, a capability's twin), else an info line (TRL's sampler is the learner)."""
         if getattr(args, "sync_checks", "default") != "default":
             return False
-        from ..capability import registered
+        from .. import sampling
 
+        # the model is not known at config time: a full model is assumed (a twin then possibly generates)
         separate = getattr(args, "use_vllm", False) or any(
-            cls.wanted(args) and cls.separate_sampler(args) for cls in registered())
+            cls.wanted(args) and cls.serves(args, sampling.ModelFacts()) not in (None, sampling.TRL)
+            for cls in _capabilities())
         return "warning" if separate else "info"
 
     @classmethod
@@ -287,6 +295,8 @@ class SyncChecks(Capability):
 
     def adjust_batch(self, trainer, output: dict) -> dict:
         sampler_logps, self._sampler_logps = self._sampler_logps, None
+        if trainer.model.training:  # every rollout generated with the adapter version the learner synced
+            self.monitor.after_rollouts(int(trainer.state.global_step), self.monitor.sampler.version())
         if not trainer.model.training or not self.monitor.logprob_due():
             return output
         rows = check_rows(output["completion_mask"])

@@ -275,6 +275,16 @@ class SyncMonitor:
             self.report(C.CheckResult("differential_oracle", problem is None, problem or ""))
 
     # -- after a generation -------------------------------------------------------------------------------------
+    def after_rollouts(self, step: int, synced) -> None:
+        """Every generation (on every rank, the same points: the ranks agree on the result): the adapter version each
+        finished rollout was generated with against the one the learner synced (freshness, per rollout), where the
+        sampler reports it."""
+        generated = self.sampler.rollout_versions()
+        if generated is None or not self.enabled("freshness"):
+            return
+        with self._agreed(step):
+            self.report(C.rollout_versions(step, synced, generated))
+
     def logprob_due(self) -> bool:
         """Call once per generation: whether ``logprob_agreement`` runs on it."""
         due = self.enabled("logprob_agreement") and self.steps % self.interval == 0

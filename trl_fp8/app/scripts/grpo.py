@@ -180,6 +180,7 @@ def main(script_args, training_args, model_args, dataset_args) -> int:
     budget or a SIGTERM stopped the run before ``max_steps`` with a checkpoint to resume from."""
     from trl import get_peft_config, get_quantization_config
 
+    from ... import sampling
     from ..._trl import shutdown_trainer_vllm
     from ...trainer import GRPOTrainer
 
@@ -199,14 +200,20 @@ def main(script_args, training_args, model_args, dataset_args) -> int:
     training_args.model_init_kwargs = model_init_kwargs
 
     dataset = load_datasets(script_args, dataset_args, training_args)
+    quantization_config, peft_config = get_quantization_config(model_args), get_peft_config(model_args)
+    try:  # who samples is decided first, before anything loads: a combination that cannot run is one line
+        sampling.decide_for(model_name, training_args, peft_config, quantization_config)
+    except ValueError as err:
+        print(f"trl-fp8 grpo: error: {err}", file=sys.stderr)
+        return 2
     trainer = GRPOTrainer(
         model=model_name,
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
-        quantization_config=get_quantization_config(model_args),
-        peft_config=get_peft_config(model_args),
+        quantization_config=quantization_config,
+        peft_config=peft_config,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     final = finish(trainer, training_args, script_args)
