@@ -17,6 +17,7 @@ WITH_PLOT = {"fair_cast_lag.py", "duet_budget.py"}  # scripts that also write a 
     ("duet_budget.py --task reasoning", "duet05_tokens_to_target_over_grpo:",
      ("task reasoning;", "duet_0.3 / grpo tokens to target", "aborted / rollouts")),
     ("checkpoint_save.py", "atomic_save_over_trl:", ("checkpoint size:", "trl_fp8  save: median")),
+    ("duet_boundary.py", "duet_boundary_copy_over_journal:", ("equal to the copy: True",)),
     ("sigterm_grace.py", "sigterm_grace_s:", ("boundary: grace median", "step_end: grace median",
                                               "incomplete checkpoints 0")),
     ("qlora_speed.py", "qlora_step_ratio_vs_lora16:",

@@ -14,7 +14,8 @@ deleting it, so a kill during rotation never leaves a checkpoint that looks comp
 A kill at any moment therefore leaves either the previous checkpoints untouched plus a ``_tmp-*`` folder, or the new
 checkpoint complete. At the next :meth:`~trl_fp8.GRPOTrainer.train`, stale ``_tmp-*`` folders are removed — except a
 ``_tmp-checkpoint-N`` whose marker is complete while ``checkpoint-N`` is missing (killed between marker and rename):
-that one is renamed into place. A staging folder another process is still writing (its owner file and heartbeat say
+that one is renamed into place, as is a complete ``_tmp-replaced-checkpoint-N`` (the previous copy of step N, when a
+commit over it was killed between its two renames), so no copy of a step is lost. A staging folder another process is still writing (its owner file and heartbeat say
 so, see :mod:`~trl_fp8.checkpoints.staging`) is left alone.
 
 **Reading** (:func:`prepare_resume`, what :meth:`trl_fp8.GRPOTrainer.train` runs first).

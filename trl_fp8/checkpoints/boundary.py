@@ -11,6 +11,11 @@ step (it overrides ``stop_now``), the RNG states (Python, NumPy, torch CPU and C
 ``state_dict()`` — except a capability that declares ``state_at_stop = "current"``: its state is written as it is
 when the stop saves (the time budget's clock; a state that moves only at the optimizer step, which a cut step never
 reaches, can declare it too and is not copied every step).
+
+A copy of a large state at every step is a cost every step pays for a stop that rarely comes: a capability may offer
+``boundary_state()`` instead, returning a function that gives its ``state_dict()`` as it was at the call (DUET
+journals its per-prompt tables, :mod:`trl_fp8.duet.lru`, so a mark costs what a step changes, not what the tables
+hold). :meth:`StepBoundary.state_dicts` calls those functions, once, when a stop saves.
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ class StepBoundary:
     step: int  # TRL's micro-step counter (which micro-batch of the generation buffer comes next)
     buffered_inputs: object  # TRL's generation buffer
     rng: dict | None = None
-    states: dict = field(default_factory=dict)  # capability name -> its state_dict() then
+    states: dict = field(default_factory=dict)  # capability name -> its state_dict() then, or a function giving it
+
+    def state_dicts(self) -> dict:
+        """capability name -> its state_dict() at the boundary (a deferred one computed now, once)."""
+        self.states = {name: state() if callable(state) else state for name, state in self.states.items()}
+        return self.states
 
     def restore_rng(self) -> None:
         """Put the RNG streams back where they were (the checkpoint's RNG files are then the step end's)."""
@@ -76,5 +86,11 @@ def mark(trainer) -> None:
     stoppable = any(can_stop_mid_step(c) for c in caps)
     trainer._step_boundary = StepBoundary(
         global_step, trainer._step, trainer._buffered_inputs, rng=_rng_states() if stoppable else None,
-        states={c.name: _copied(c.state_dict()) for c in caps
+        states={c.name: _state_then(c) for c in caps
                 if stoppable and c.state_file is not None and c.state_at_stop == BOUNDARY})
+
+
+def _state_then(capability):
+    """The capability's state now: a function giving it (``boundary_state()``, where offered), else a copy."""
+    deferred = getattr(capability, "boundary_state", None)
+    return deferred() if callable(deferred) else _copied(capability.state_dict())

@@ -193,7 +193,7 @@ def save_stopped_run(trainer, trial):
     if boundary is not None:
         trainer._step, trainer._buffered_inputs = boundary.step, boundary.buffered_inputs
         boundary.restore_rng()
-        states = boundary.states
+        states = boundary.state_dicts()
     else:  # stopped before any step of this session began: no buffer from it (a resume generates afresh, as TRL does)
         trainer._buffered_inputs = None
     if trainer.optimizer is not None:

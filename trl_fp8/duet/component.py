@@ -272,6 +272,13 @@ class Duet(Capability):
     def state_dict(self) -> dict:
         return {"format": 1, "controller": self.controller.state_dict()}
 
+    def boundary_state(self):
+        """:meth:`state_dict` at a step boundary, deferred (:mod:`trl_fp8.checkpoints.boundary`): a function giving
+        the state as it is now, at a cost proportional to what changes before it is called, not to the 100k prompts
+        the tables may hold (:meth:`DuetController.mark`)."""
+        controller = self.controller.mark()
+        return lambda: {"format": 1, "controller": controller()}
+
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
 

@@ -94,6 +94,19 @@ class DuetController:
             "pass_rates": self.pass_rates.state_dict(),
         }
 
+    def mark(self):
+        """A function giving :meth:`state_dict` as it is now (until the next mark), for a step boundary: the per-prompt
+        tables are journaled, not copied (:mod:`trl_fp8.duet.lru`), so a mark costs what the bounded parts cost (the
+        RNG, the length window) however many prompts the tables hold; the tables are rebuilt only when the function
+        is called (a stop that saves)."""
+        version, internal, gauss_next = self.rng.getstate()
+        rng = {"version": version, "internal": list(internal), "gauss_next": gauss_next}
+        stats, pass_rates, quantiles = self.stats.mark(), self.pass_rates.mark(), self.quantiles.state_dict()
+
+        def state() -> dict:
+            return {"stats": stats(), "quantiles": quantiles, "rng": rng, "pass_rates": pass_rates()}
+        return state
+
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state["stats"])
         self.quantiles.load_state_dict(state["quantiles"])

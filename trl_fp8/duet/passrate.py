@@ -26,9 +26,10 @@ and the batch gradient stays unbiased over which prompts were sampled.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 
 import torch
+
+from .lru import LruTable
 
 PRIOR_ROLLOUTS = 2.0  # strength of a cold prompt's prior, in rollouts
 NEUTRAL_RATE = 0.5  # the prior's mean before anything was observed
@@ -69,7 +70,7 @@ class PassRates:
         self.capacity = int(capacity)
         self.prior_rollouts = float(prior_rollouts)
         self.recent_rate = NEUTRAL_RATE  # pass rate of the latest observed batch: the prior's mean
-        self._table: OrderedDict[str, list[float]] = OrderedDict()  # key -> [passes, fails] (decayed)
+        self._table = LruTable(self.capacity, list)  # key -> [passes, fails] (decayed), least recently used first
 
     def __len__(self) -> int:
         return len(self._table)
@@ -92,11 +93,11 @@ class PassRates:
         a0, b0 = self.prior()
         a, b = [], []
         for key in keys:
-            entry = self._table.get(key)
-            if entry is not None:
+            if key in self._table:
+                self._table.touch(key)  # journaled before the change (see mark)
+                entry = self._table[key]
                 entry[0] *= self.decay
                 entry[1] *= self.decay
-                self._table.move_to_end(key)
                 passes, fails = entry
             else:
                 passes = fails = 0.0
@@ -108,12 +109,8 @@ class PassRates:
         """Add one observed group's passes and fails to ``key``."""
         if passes < 0 or fails < 0:
             raise ValueError(f"passes and fails must be >= 0, got {passes}, {fails}")
-        entry = self._table.pop(key, None) or [0.0, 0.0]
-        entry[0] += passes
-        entry[1] += fails
-        self._table[key] = entry
-        while len(self._table) > self.capacity:
-            self._table.popitem(last=False)
+        old = self._table.get(key, (0.0, 0.0))
+        self._table.put(key, [old[0] + passes, old[1] + fails])  # most recently used; the oldest evicted
 
     def observe_batch(self, passes: int, total: int) -> None:
         """The latest batch's pass rate over its kept rollouts: the mean of the cold prior from now on."""
@@ -124,8 +121,18 @@ class PassRates:
         return {"table": [[key, p, f] for key, (p, f) in self._table.items()], "recent_rate": self.recent_rate}
 
     def load_state_dict(self, state: dict) -> None:
-        self._table = OrderedDict((str(k), [float(p), float(f)]) for k, p, f in state["table"])
+        self._table.load((str(k), [float(p), float(f)]) for k, p, f in state["table"])
         self.recent_rate = float(state["recent_rate"])
+
+    def mark(self):
+        """A function giving :meth:`state_dict` as it is now, until the next mark: O(1) now, the table rebuilt from
+        the changes since when it is called (:class:`~trl_fp8.duet.lru.LruTable`)."""
+        mark, recent_rate = self._table.mark(), self.recent_rate
+
+        def state() -> dict:
+            return {"table": [[key, p, f] for key, (p, f) in self._table.items_at_mark(mark)],
+                    "recent_rate": recent_rate}
+        return state
 
 
 def total_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

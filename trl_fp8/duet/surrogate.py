@@ -14,11 +14,13 @@ another scale than the observed values. k = 0 is the unshrunk estimate.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from .lru import LruTable
 
 
 def informativeness(advantages: torch.Tensor, sum_logps: torch.Tensor) -> float:
@@ -58,7 +60,7 @@ class PromptStats:
         self.mean_all = 0.0
         self.default_length = float(default_length)
         self.reprobe_every = int(reprobe_every)
-        self._table: OrderedDict[str, _Entry] = OrderedDict()
+        self._table = LruTable(capacity, dataclasses.replace)  # key -> _Entry, least recently used first
         self._recent_lengths: list[float] = []
 
     def __len__(self) -> int:
@@ -73,14 +75,13 @@ class PromptStats:
             return
         self.groups += 1
         self.mean_all += (s - self.mean_all) / self.groups
-        e = self._table.pop(key, None) or _Entry()
+        old = self._table.get(key) or _Entry()
+        e = dataclasses.replace(old)
         e.count += 1
         e.mean_s += (s - e.mean_s) / e.count
         e.mean_len += (sum(lengths) / len(lengths) - e.mean_len) / e.count
         e.since_update = 0
-        self._table[key] = e  # most recently used at the end
-        while len(self._table) > self.capacity:
-            self._table.popitem(last=False)
+        self._table.put(key, e)  # most recently used at the end; the oldest evicted
 
     def observe_batch_lengths(self, lengths: list[float]) -> None:
         """Kept lengths of the latest batch: the length estimate of cold prompts."""
@@ -101,8 +102,20 @@ class PromptStats:
             "mean_all": self.mean_all,
         }
 
+    def mark(self):
+        """A function giving :meth:`state_dict` as it is now, until the next mark: O(1) for the table now (it is
+        rebuilt from the changes since when the function is called, :class:`~trl_fp8.duet.lru.LruTable`), the
+        latest batch's lengths copied."""
+        mark = self._table.mark()
+        rest = {"recent_lengths": list(self._recent_lengths), "groups": self.groups, "mean_all": self.mean_all}
+
+        def state() -> dict:
+            return {"table": [[key, e.count, e.mean_s, e.mean_len, e.since_update]
+                              for key, e in self._table.items_at_mark(mark)], **rest}
+        return state
+
     def load_state_dict(self, state: dict) -> None:
-        self._table = OrderedDict(
+        self._table.load(
             (str(key), _Entry(int(count), float(mean_s), float(mean_len), int(since)))
             for key, count, mean_s, mean_len, since in state["table"]
         )
@@ -124,6 +137,7 @@ class PromptStats:
         so that a skipped prompt still comes due for its re-probe; a cold key is left alone."""
         e = self._table.get(key)
         if e is not None:
+            self._table.changing(key)
             e.since_update += 1
 
     def lookup(self, keys: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,7 +153,7 @@ class PromptStats:
                 warm.append(False)
                 reprobe.append(False)
                 continue
-            self._table.move_to_end(key)
+            self._table.touch(key)  # journaled before the change
             e.since_update += 1
             s.append((e.count * e.mean_s + k * self.mean_all) / (e.count + k) if shrink else e.mean_s)
             lengths.append(max(e.mean_len, 1.0))
