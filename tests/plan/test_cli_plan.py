@@ -4,7 +4,8 @@ import json
 import subprocess
 import sys
 
-from trl_fp8.app.cli import PLAN_FAIR_CAST, config_choices, main
+from trl_fp8.app.cli import config_choices, main
+from trl_fp8.plan.command import FAIR_CAST as PLAN_FAIR_CAST, FAST_QLORA
 
 
 def test_7b_qlora_on_a_t4_fits(capsys):
@@ -38,7 +39,8 @@ def test_bad_input_is_one_line_naming_the_flag(capsys):
     assert err.startswith("trl-fp8 plan: error: --model: unknown model 'qwen9'") and "qwen2.5-7b" in err
     assert main(["plan", "--model", "qwen2.5-7b", "--device", "k80"]) == 2
     err = capsys.readouterr().err
-    assert "--device: device 'k80' is not valid: allowed values are t4, 2xt4, l4, a100-40, h100-80" in err
+    assert ("--device: device 'k80' is not valid: allowed values are t4, 2xt4, l4, a10g, a100-40, l40s, a100-80, "
+            "h100-80, h200") in err
     assert main(["plan", "--model", "qwen2.5-7b", "--qlora", "--vllm", "server"]) == 2
     assert "second GPU" in capsys.readouterr().err
     assert main(["plan", "--model", "qwen2.5-7b", "--full", "--lora-r", "8"]) == 2
@@ -54,3 +56,7 @@ def test_the_console_script_exits_0_and_prints_the_verdict():
     done = subprocess.run([sys.executable, "-m", "trl_fp8.app.cli", "plan", "--model", "smollm2-135m", "--qlora",
                            "--device", "t4"], capture_output=True, text=True)
     assert done.returncode == 0 and "fits: yes" in done.stdout
+
+
+def test_fast_qlora_choices_are_the_config_s():
+    assert list(FAST_QLORA) == config_choices("fast_qlora")

@@ -323,108 +323,11 @@ def cmd_plot(argv: list[str]) -> int:
     return 0
 
 
-PLAN_FAIR_CAST = ("off", "rtn", "stochastic", "error_feedback")  # GRPOConfig.fair_cast's choices (a test checks)
-
-
 def cmd_plan(argv: list[str]) -> int:
-    from ..plan import DEVICES, MODELS
+    # the command lives beside the plan (trl_fp8/plan/command.py); nothing on its path imports TRL or torch
+    from ..plan.command import run
 
-    p = argparse.ArgumentParser(
-        prog="trl-fp8 plan",
-        description="Will it fit? The memory of a GRPO run, per component and per parameter of what, for a model "
-        "config and a device, before anything is loaded. Defaults: the free-tier recipe with every trl_fp8 "
-        "capability that applies switched on (Fair Cast stochastic with adapter serving, the default weight-sync "
-        "checks, DUET, fast QLoRA with --qlora, gradient checkpointing).")
-    p.add_argument("--model", required=True,
-                   help=f"a known name ({', '.join(MODELS)}; Hub ids such as Qwen/Qwen2.5-7B-Instruct work too), a "
-                   "config.json or a folder holding one")
-    method = p.add_mutually_exclusive_group()
-    method.add_argument("--full", action="store_true", help="full fine-tuning (the default without --qlora/--lora-r)")
-    method.add_argument("--qlora", action="store_true", help="QLoRA: a 4-bit NF4 base (double quant) + LoRA")
-    p.add_argument("--lora-r", type=int, default=None, metavar="R",
-                   help="LoRA rank (alone: LoRA over a 16-bit base; with --qlora: its rank, default 16)")
-    p.add_argument("--targets", default="all-linear",
-                   help="LoRA target projections, comma-separated (default: all-linear = all seven)")
-    p.add_argument("--fair-cast", default="stochastic", choices=PLAN_FAIR_CAST,
-                   help="Fair Cast export rule (default: %(default)s)")
-    p.add_argument("--lora-serving", default="auto", choices=["auto", "adapters", "merged"],
-                   help="how a LoRA policy is served: auto = adapters, except to a vLLM server (merged) "
-                   "(default: %(default)s)")
-    p.add_argument("--sync-checks", default="default", help="weight-sync checks: default, all, off or names")
-    p.add_argument("--duet", action=argparse.BooleanOptionalAction, default=True, help="DUET token budget (on)")
-    p.add_argument("--device", default="t4",
-                   help=f"{', '.join(DEVICES)}, or the bytes of one card (e.g. 24GB, 22.5GiB) (default: %(default)s)")
-    p.add_argument("--generations", type=int, default=8, help="completions per prompt, num_generations (8)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="rows per micro-batch, per_device_train_batch_size (default: --generations)")
-    p.add_argument("--steps-per-generation", type=int, default=1,
-                   help="micro-batches generated at once (default: %(default)s)")
-    p.add_argument("--completion-length", type=int, default=512, help="max_completion_length (default: 512)")
-    p.add_argument("--prompt-length", type=int, default=256, help="longest prompt in tokens (default: 256)")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="gradient checkpointing (on)")
-    p.add_argument("--vllm", default="off", choices=["off", "colocate", "server"],
-                   help="vLLM sampler: off (in-process generate), colocate, or server (on a second GPU)")
-    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3,
-                   help="colocated engine's share of the card (TRL's default %(default)s)")
-    p.add_argument("--optim", default="adamw", choices=["adamw", "adamw_8bit"], help="optimizer state (adamw)")
-    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="auto: bf16 where the card has it natively, else fp16 (T4)")
-    p.add_argument("--base-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="dtype the weights are loaded in (default: float32 for full fine-tuning, 16-bit for LoRA)")
-    out = p.add_mutually_exclusive_group()
-    out.add_argument("--json", action="store_true", help="print the plan as JSON")
-    out.add_argument("--markdown", action="store_true", help="print the plan as a Markdown table (for docs)")
-    p.error = _raise_usage_error
-    args = p.parse_args(argv)
-    from ..plan import resolve_device, resolve_model
-
-    try:
-        model = resolve_model(args.model)
-    except ValueError as err:
-        raise UsageError(f"--model: {err}") from None
-    try:
-        device = resolve_device(args.device)
-    except ValueError as err:
-        raise UsageError(f"--device: {err}") from None
-    for flag, value in (("--generations", args.generations), ("--batch-size", args.batch_size),
-                        ("--steps-per-generation", args.steps_per_generation),
-                        ("--completion-length", args.completion_length), ("--prompt-length", args.prompt_length),
-                        ("--lora-r", args.lora_r)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be an integer >= 1, got {value}.")
-    if args.full and args.lora_r is not None:
-        raise UsageError("--full and --lora-r: choose full fine-tuning or LoRA.")
-    batch = args.batch_size or args.generations
-    if (batch * args.steps_per_generation) % args.generations:
-        raise UsageError(f"--batch-size × --steps-per-generation ({batch * args.steps_per_generation} rows) must be a "
-                         f"multiple of --generations ({args.generations}), as GRPOConfig requires.")
-    if not 0 < args.vllm_gpu_memory_utilization <= 1:
-        raise UsageError(f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}.")
-    from ..plan import FREE_TIER, memory_plan
-    from ..plan.render import as_json, markdown, print_rich
-
-    lora = args.qlora or args.lora_r is not None
-    run = dict(FREE_TIER, fair_cast=args.fair_cast, lora_serving=args.lora_serving, sync_checks=args.sync_checks,
-               duet=args.duet, num_generations=args.generations,
-               per_device_train_batch_size=batch, steps_per_generation=args.steps_per_generation,
-               max_completion_length=args.completion_length,
-               vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization, precision=args.precision)
-    try:
-        plan = memory_plan(
-            model, run, peft={"r": args.lora_r or 16, "target_modules": args.targets} if lora else None,
-            quantization="nf4" if args.qlora else None, device=device, prompt_length=args.prompt_length,
-            base_dtype=args.base_dtype, vllm=args.vllm, gradient_checkpointing=args.gradient_checkpointing,
-            optimizer=args.optim)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    if args.json:
-        print(as_json(plan))
-    elif args.markdown:
-        print(markdown(plan), end="")
-    else:
-        print_rich(plan)
-    return 0
+    return run(argv, UsageError)
 
 
 GRPO_EXIT_STATUS = ("exit status of `trl-fp8 grpo`: 0 finished; 75 (EX_TEMPFAIL) stopped before max_steps by its "

@@ -137,8 +137,15 @@ MODELS: dict[str, Arch] = {
 }
 
 # transformers' defaults where a config.json leaves a field out
-_TIED_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "mistral": False}
+_TIED_DEFAULT = {"llama": False, "qwen2": False, "mistral": False}
 _QKV_BIAS = {"qwen2"}  # Qwen2 attention always has q/k/v biases (no config field)
+# The model types whose modelling the plan follows tensor by tensor (the Llama layout above); anything else is refused
+# by name rather than planned as if it were one of them.
+KNOWN_TYPES = ("llama", "mistral", "qwen2")
+# config.json fields that make a model a mixture of experts (router + experts per block): not the dense layout above
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "n_shared_experts", "num_experts_per_tok")
+_LIMIT = 2**24  # no dimension of a real model is near this; a larger one is a typo (and overflows the byte counts)
 
 
 def model_key(name: str) -> str:
@@ -149,29 +156,70 @@ def model_key(name: str) -> str:
     return key
 
 
+def _count(get, key: str, default=None) -> int:
+    value = get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < _LIMIT:
+        raise ValueError(f"model config: {key} must be an integer from 1 to {_LIMIT - 1}, got {value!r}.")
+    return value
+
+
+def moe_fields(config) -> dict:
+    """The mixture-of-experts fields a config sets (a positive number of experts / an expert width), by name."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    text = get("text_config")
+    if text is not None:
+        return moe_fields(text)
+    return {k: get(k) for k in MOE_FIELDS if isinstance(get(k), int) and not isinstance(get(k), bool) and get(k) > 0}
+
+
 def arch_from_config(config, name: str | None = None) -> Arch:
-    """An :class:`Arch` from a ``config.json`` dict or a ``transformers.PretrainedConfig``."""
+    """An :class:`Arch` from a ``config.json`` dict or a ``transformers.PretrainedConfig``: a dense decoder of a
+    type in :data:`KNOWN_TYPES`; a mixture of experts or another type is refused by name (a ``ValueError``)."""
+    if not isinstance(config, dict) and not hasattr(config, "to_dict"):
+        raise ValueError(f"model config must be a JSON object (a config.json), got {type(config).__name__}.")
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     text = get("text_config")  # a multimodal config: its language model
     if text is not None:
         return arch_from_config(text, name)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                            "vocab_size") if get(k) is None]
+    model_type = str(get("model_type") or "llama")
+    experts = moe_fields(config)
+    if experts:
+        fields = ", ".join(f"{k}={v}" for k, v in experts.items())
+        raise ValueError(f"model_type {model_type!r} is a mixture of experts ({fields}): the plan counts dense "
+                         f"decoders only ({', '.join(KNOWN_TYPES)}), and planning its experts as one dense MLP "
+                         "would under-count them many times over.")
+    if model_type not in KNOWN_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one the plan knows (its tensors, biases and norms are "
+                         f"not counted here); known: {', '.join(KNOWN_TYPES)}.")
     if missing:
         raise ValueError(f"model config lacks {', '.join(missing)}: not a decoder-only LM config the plan knows.")
-    model_type = str(get("model_type") or "llama")
-    heads = int(get("num_attention_heads"))
-    attention_bias = bool(get("attention_bias", False))
+    hidden, heads = _count(get, "hidden_size"), _count(get, "num_attention_heads")
+    kv_heads = _count(get, "num_key_value_heads", heads) if get("num_key_value_heads") is not None else heads
+    if heads % kv_heads:
+        raise ValueError(f"model config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                         f"({kv_heads}).")
+    if get("head_dim") is not None:
+        head_dim = _count(get, "head_dim")
+    elif hidden % heads:
+        raise ValueError(f"model config: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); "
+                         "give head_dim.")
+    else:
+        head_dim = hidden // heads
+    attention_bias = get("attention_bias", False)
     tied = get("tie_word_embeddings")
     if tied is None:
         tied = _TIED_DEFAULT.get(model_type, True)
+    for key, value in (("attention_bias", attention_bias), ("mlp_bias", get("mlp_bias", False)),
+                       ("tie_word_embeddings", tied)):
+        if not isinstance(value, bool):
+            raise ValueError(f"model config: {key} must be true or false, got {value!r}.")
     return Arch(
         name=name or str(get("_name_or_path") or model_type),
-        hidden=int(get("hidden_size")), intermediate=int(get("intermediate_size")),
-        layers=int(get("num_hidden_layers")), heads=heads,
-        kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=int(get("head_dim") or int(get("hidden_size")) // heads), vocab=int(get("vocab_size")),
-        tied=bool(tied), qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
+        hidden=hidden, intermediate=_count(get, "intermediate_size"), layers=_count(get, "num_hidden_layers"),
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=_count(get, "vocab_size"),
+        tied=tied, qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
         mlp_bias=bool(get("mlp_bias", False)), model_type=model_type,
     )
 
@@ -192,13 +240,21 @@ def resolve_model(model) -> Arch:
         if not os.path.isfile(path):
             raise ValueError(f"model folder {os.fspath(model)!r} has no config.json.")
     if os.path.isfile(path):
-        with open(path) as f:
-            return arch_from_config(json.load(f), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path!r} is not a readable config.json: {err}") from None
+        return arch_from_config(config, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
     key = model_key(path)
     if key in MODELS:
         return MODELS[key]
+    hint = ""
+    if path.count("/") == 1 and not path.startswith((".", "/")) and not path.endswith(".json"):
+        hint = (f"; the plan reads no Hub: download its config.json (`hf download {path} config.json --local-dir "
+                f"./{path.rsplit('/', 1)[-1]}`) and pass that folder or file")
     raise ValueError(f"unknown model {os.fspath(model)!r}: not a config.json or a folder holding one, nor a known "
-                     f"name ({', '.join(MODELS)}).")
+                     f"name ({', '.join(MODELS)}){hint}.")
 
 
 def with_layers(arch: Arch, layers: int) -> Arch:

@@ -7,8 +7,10 @@ the trainer's own rows: :mod:`.rows`). Arithmetic only: no weights are
 loaded and nothing is allocated (the capability list is imported when a plan is made, not when this module is).
 
 The peak of a card is its persistent rows plus the larger of the two transient phases (a loss forward/backward and
-the optimizer step; a generation), plus the CUDA context and the caching allocator's slack (estimates). Within the
-training phase the rows are summed: gradients fill while activations drain, so the sum bounds the peak from above.
+the optimizer step; a generation), plus the CUDA context and the caching allocator's slack (estimates). The training
+phase is itself the larger of two moments (:func:`.rows.training_peak`): the end of a forward (autocast's weight
+copies; gradients only when accumulated over micro-batches) and backward (gradients fill while activations drain:
+their sum bounds it from above).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from types import SimpleNamespace
 from ..memory import GENERATION, PERSISTENT, TRAINING, Row, bytes_text, per
 from .devices import GIB, Device, resolve_device
 from .models import PROJECTIONS, resolve_model
-from .rows import _activation_rows, _autocast_cache, _logits_rows, _model_rows, _optimizer_rows  # noqa: F401
+from .capabilities import DEFAULTS
+from .rows import (_activation_rows, _autocast_cache, _logits_rows, _model_rows, _optimizer_rows,  # noqa: F401
+                   training_peak)
 from .spec import FP32, HALF, LoraSpec, PlanSpec, QuantSpec, Rollout
 
 CUDA_CONTEXT = int(0.4 * GIB)  # CUDA context, cuBLAS workspace and loaded kernels: an estimate (not measured here)
@@ -118,6 +122,12 @@ def run_args(args=None, **overrides) -> _Args:
         values.update({k: getattr(args, k) for k in values if hasattr(args, k)})
     values.update(overrides)
     return _Args(**values)
+
+
+def plan_args(**fields) -> _Args:
+    """The settings of a plan from the fields given over :data:`~.capabilities.DEFAULTS` (the class defaults of the
+    fields a plan reads), without importing ``GRPOConfig`` (``trl-fp8 plan``); no check of unknown fields."""
+    return _Args(**{**DEFAULTS, **fields})
 
 
 def _lora(peft) -> LoraSpec | None:
@@ -418,8 +428,11 @@ def _capability_rows(spec: PlanSpec, capabilities) -> list[Row]:
 def _phase_sums(rows: list[Row], gpu: int) -> dict[str, int]:
     out = {PERSISTENT: 0, TRAINING: 0, GENERATION: 0}
     for row in rows:
-        if row.gpu == gpu:
+        if row.gpu == gpu and row.phase != TRAINING:
             out[row.phase] += row.bytes
+    stages = training_peak([r for r in rows if r.gpu == gpu])
+    out[TRAINING] = stages["peak"]
+    out["forward"], out["backward"] = stages["forward"], stages["backward"]
     return out
 
 
@@ -432,6 +445,7 @@ def _totals(spec: PlanSpec, rows: list[Row]) -> dict[int, dict[str, int]]:
             slack = int(ALLOCATOR_SLACK * peak)
             total = peak + CUDA_CONTEXT + slack
             totals[gpu] = {"persistent": s[PERSISTENT], "training": s[TRAINING], "generation": s[GENERATION],
+                           "training_forward": s["forward"], "training_backward": s["backward"],
                            "allocated_peak": peak, "cuda_context": CUDA_CONTEXT, "allocator_slack": slack,
                            "total": total, "usable": spec.device.usable}
         else:  # a vLLM server's card: its reservation is all it takes
@@ -443,8 +457,8 @@ def _totals(spec: PlanSpec, rows: list[Row]) -> dict[int, dict[str, int]]:
 
 def plan_for(spec: PlanSpec, capabilities=None) -> Plan:
     """The plan of a :class:`PlanSpec` (see :func:`memory_plan`), without looking for a change that would fit."""
-    if capabilities is None:
-        from ..registry import CAPABILITIES as capabilities
+    if capabilities is None:  # the capability list as a plan reads it, without importing TRL (tests hold it to it)
+        from .capabilities import CAPABILITIES as capabilities
     sampler = sampler_of(spec)
     spec = replace(spec, extra={**spec.extra, "sampler": sampler})
     own = _model_rows(spec) + _activation_rows(spec) + _logits_rows(spec) + _generation_rows(spec, sampler)

@@ -6,6 +6,7 @@ import json
 
 from ..memory import GENERATION, PERSISTENT, TRAINING, bytes_text
 from .plan import Plan, method_name
+from .rows import BACKWARD, FORWARD
 
 PHASE_TEXT = {PERSISTENT: "held", TRAINING: "training", GENERATION: "generation"}
 OWNER_TEXT = {"model": "model", "trainer": "trainer (TRL)", "engine": "vLLM engine"}
@@ -38,7 +39,8 @@ def summary_lines(plan: Plan) -> list[str]:
         card = "trainer card" if gpu == 0 else f"card {gpu} (vLLM server)"
         if gpu == 0:
             lines.append(f"{card}: held {bytes_text(t['persistent'])} + peak of training "
-                         f"{bytes_text(t['training'])} / generation {bytes_text(t['generation'])} + CUDA context "
+                         f"{bytes_text(t['training'])} (forward {bytes_text(t['training_forward'])}, backward "
+                         f"{bytes_text(t['training_backward'])}) / generation {bytes_text(t['generation'])} + CUDA context "
                          f"~{bytes_text(t['cuda_context'])} + allocator slack ~{bytes_text(t['allocator_slack'])}")
         lines.append(f"total ({card}): {bytes_text(t['total'])} of {bytes_text(t['usable'])} usable")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}")
@@ -56,7 +58,8 @@ def _rows(plan: Plan):
         owner = OWNER_TEXT.get(row.owner, row.owner)
         where = f"{owner}" + (f" (card {row.gpu})" if row.gpu else "")
         flags = ("~" if not row.exact else "") + ("elastic" if row.elastic else "")
-        yield where, row.item, row.per, PHASE_TEXT[row.phase], _gib(row.bytes), flags
+        when = PHASE_TEXT[row.phase] + (f" ({row.note})" if row.note in (FORWARD, BACKWARD) else "")
+        yield where, row.item, row.per, when, _gib(row.bytes), flags
 
 
 def markdown(plan: Plan) -> str:

@@ -8,6 +8,23 @@ from ..memory import PERSISTENT, TRAINING, Row, count_text, per
 from .activations import TOKEN_CHUNK, VOCAB_CHUNK, recompute_bytes, saved_bytes, shape_of
 from .spec import FP32, HALF, PlanSpec
 
+# Within the training phase, when a row is alive (``Row.note``): "forward" (freed before backward starts), "backward"
+# (made in backward), or both (no note). The phase's peak is the larger of the two sums (:func:`training_peak`).
+FORWARD, BACKWARD = "forward", "backward"
+
+
+def accumulation_steps(spec: PlanSpec) -> int:
+    return max(1, int(getattr(spec.args, "gradient_accumulation_steps", 1) or 1))
+
+
+def training_peak(rows: list[Row]) -> dict[str, int]:
+    """The training phase's rows as two moments: the end of a forward (what it saved, autocast's weight copies, a
+    logits tile; gradients only when they persist across micro-batches) and backward (the saved activations draining
+    while the gradients fill: their sum bounds it from above; autocast's copies are gone). ``peak``: the larger."""
+    forward = sum(r.bytes for r in rows if r.phase == TRAINING and r.note != BACKWARD)
+    backward = sum(r.bytes for r in rows if r.phase == TRAINING and r.note != FORWARD)
+    return {"forward": forward, "backward": backward, "peak": max(forward, backward)}
+
 
 def _optimizer_rows(spec: PlanSpec) -> list[Row]:
     tensors = spec.trainable_tensors()
@@ -53,7 +70,12 @@ def _model_rows(spec: PlanSpec) -> list[Row]:
                         "reference_model"))
     rows += _optimizer_rows(spec)
     tb, n = spec.trainable_bytes, spec.trainable_params
-    rows.append(Row("gradients", tb * n, per(tb, "trainable params", n), TRAINING, "trainer", "gradients"))
+    steps = accumulation_steps(spec)
+    # TRL zeroes gradients to None after each optimizer step: with one micro-batch a step they exist only in backward;
+    # accumulated over several, they are alive through the next micro-batches' forwards too
+    rows.append(Row("gradients" + (f" (accumulated over {steps} micro-batches)" if steps > 1 else ""), tb * n,
+                    per(tb, "trainable params", n), TRAINING, "trainer", "gradients",
+                    note="" if steps > 1 else BACKWARD))
     return rows
 
 
@@ -66,12 +88,13 @@ def _activation_rows(spec: PlanSpec) -> list[Row]:
         rows.append(Row("activations: block inputs saved (gradient checkpointing) + LM head inputs", saved,
                         f"{spec.base_bytes} B × hidden × layers per token ({tokens})", TRAINING, "trainer"))
         rows.append(Row("activations: one block recomputed in backward", recompute_bytes(shape),
-                        f"one block's saved tensors + fp32 output gradient ({tokens})", TRAINING, "trainer"))
+                        f"one block's saved tensors + fp32 output gradient ({tokens})", TRAINING, "trainer",
+                        note=BACKWARD))
         cached = _autocast_cache(spec)
         if cached:
             rows.append(Row("autocast's 16-bit copies of fp32 trained weights (until the forward ends)", cached,
                             per(spec.compute_bytes, "trained linear params", cached // spec.compute_bytes),
-                            TRAINING, "trainer"))
+                            TRAINING, "trainer", note=FORWARD))
     else:
         rows.append(Row("activations saved for backward (no gradient checkpointing)", saved,
                         f"every block's saved tensors ({tokens})", TRAINING, "trainer"))
@@ -115,5 +138,5 @@ def _logits_rows(spec: PlanSpec) -> list[Row]:
     rows.append(Row(f"LM head backward: {what}", grad + extra,
                     f"4 B × completion tokens × hidden ({count_text(n * a.hidden)})"
                     + (f" + 4 B × vocab × hidden ({count_text(a.vocab * a.hidden)})" if spec.full else ""),
-                    TRAINING, "trainer"))
+                    TRAINING, "trainer", note=BACKWARD))
     return rows

@@ -4,19 +4,39 @@ from __future__ import annotations
 
 from ..memory import bytes_text
 from .devices import DEVICES
-from .plan import make_spec, plan_for
+from .plan import _Args, make_spec, plan_for, run_args
 from .spec import PlanSpec, Rollout
+
+
+def _with(args, **fields):
+    """``args`` (a ``GRPOConfig``, a dict of its fields, a plan's settings or None) with ``fields`` changed."""
+    if args is None or isinstance(args, dict):
+        return {**(args or {}), **fields}
+    if isinstance(args, _Args):
+        return _Args(**{**vars(args), **fields})
+    return run_args(args, **fields)
 
 
 def suggest(model, args, options: dict, spec: PlanSpec, capabilities) -> str:
     """The first single change, cheapest first, after which the plan fits."""
     r = spec.rollout
     candidates = []
-    if not spec.gradient_checkpointing:
-        candidates.append(("gradient checkpointing on (--gradient-checkpointing)", {"gradient_checkpointing": True}))
+    # trl_fp8's own switches first: what the run adds over TRL, dropped or made cheaper, keeps the method and the card
+    # (serving the adapters keeps every capability on: tried before any is dropped)
     if spec.lora is not None and spec.lora_serving == "merged" and spec.vllm != "server":
         candidates.append(("serve the adapters, not a merged copy (--lora-serving adapters)",
                            {"lora_serving": "adapters"}))
+    a = spec.args
+    fair_cast = getattr(a, "fair_cast", "off")
+    if fair_cast == "error_feedback":
+        candidates.append(("Fair Cast stochastic rounding instead of error feedback (--fair-cast stochastic)",
+                           {"args": _with(args, fair_cast="stochastic")}))
+    if fair_cast != "off":
+        candidates.append(("Fair Cast off (--fair-cast off)", {"args": _with(args, fair_cast="off")}))
+    if getattr(a, "sync_checks", "off") not in ("off", (), []):
+        candidates.append(("weight-sync checks off (--sync-checks off)", {"args": _with(args, sync_checks="off")}))
+    if not spec.gradient_checkpointing:
+        candidates.append(("gradient checkpointing on (--gradient-checkpointing)", {"gradient_checkpointing": True}))
     if spec.full and spec.optimizer == "adamw":
         candidates.append(("8-bit AdamW (--optim adamw_8bit)", {"optimizer": "adamw_8bit"}))
     if spec.full:
@@ -38,12 +58,15 @@ def suggest(model, args, options: dict, spec: PlanSpec, capabilities) -> str:
                            {"device": "2xt4", "vllm": "server"}))
     if spec.use_vllm:
         candidates.append(("generate in-process, without vLLM (--vllm off)", {"vllm": "off"}))
-    for name in ("l4", "a100-40", "h100-80"):
-        if DEVICES[name].usable > spec.device.usable:
-            candidates.append((f"a bigger card: --device {name} ({DEVICES[name].note})", {"device": name}))
+    bigger = sorted((d for d in DEVICES.values() if d.gpus == 1 and d.usable > spec.device.usable),
+                    key=lambda d: d.usable)
+    for device in bigger:
+        candidates.append((f"a bigger card: --device {device.name} ({device.note})", {"device": device.name}))
     for text, change in candidates:
+        change = dict(change)
+        trial_args = change.pop("args", args)
         try:
-            trial = plan_for(make_spec(model, args, **{**options, **change}), capabilities)
+            trial = plan_for(make_spec(model, trial_args, **{**options, **change}), capabilities)
         except ValueError:
             continue
         if trial.fits:
