@@ -31,24 +31,19 @@ def _trainer_facts(model: str, args, r=8, alpha=16, **lora):
     return sampling.model_facts("some/model", args, peft, quant)
 
 
-# Expected (kind, owner) for every combination; None: refused (ValueError naming the fields).
+# Expected (kind, owner) for every combination ('auto' serving: adapters everywhere).
 EXPECTED = {}
 for m, v, fc, fq in itertools.product(MODELS, VLLM, (False, True), (False, True)):
+    adapters = "lora_versions" if v == "colocate" else "lora_server"
     if m == "full":
         kind = ("twin" if v == "off" else "dense_stream", "fair_cast") if fc else ("trl", None)
-    elif m == "lora":
-        if fc:  # adapters ('auto'), except to a server: merged
-            kind = (None if v == "off" else "lora_versions" if v == "colocate" else "dense_stream", "fair_cast")
-            kind = ("trl", None) if kind[0] is None else kind
-        else:
-            kind = ("trl", None)
-    else:  # qlora
+    elif m == "lora":  # Fair Cast serves its factors to vLLM; in-process the policy itself generates
+        kind = (adapters, "fair_cast") if fc and v != "off" else ("trl", None)
+    else:  # qlora: to vLLM always as base + adapters (TRL's own sync would merge into 4-bit weights)
         if v == "off":
             kind = ("rollout_cache", "fast_qlora") if fq else ("trl", None)
-        elif v == "colocate":
-            kind = ("lora_versions", "fair_cast") if fc else ("lora_versions", sampling.BUILTIN_OWNER)
-        else:  # server: 'auto' is merged there; a dense stream needs Fair Cast or fast QLoRA
-            kind = ("dense_stream", "fair_cast") if fc else ("dense_stream", "fast_qlora") if fq else None
+        else:
+            kind = (adapters, "fair_cast") if fc else (adapters, sampling.BUILTIN_OWNER)
     EXPECTED[m, v, fc, fq] = kind
 
 
@@ -61,7 +56,7 @@ def test_trainer_and_plan_decide_the_same(tmp_path, model, vllm, fair_cast, fast
     facts = _trainer_facts(model, args)
     assert facts.four_bit == (model == "qlora") and facts.full == (model == "full")
     plan_kwargs = dict(peft=8 if model != "full" else None, quantization="nf4" if model == "qlora" else None,
-                       vllm=vllm, device="h100-80", precision="fp32", fair_cast="stochastic" if fair_cast else "off",
+                       vllm=vllm, device="2xt4", precision="fp32", fair_cast="stochastic" if fair_cast else "off",
                        fast_qlora="auto" if fast_qlora else "off", base_dtype="float32" if model == "full" else None)
     if expected is None:
         with pytest.raises(ValueError, match="vllm_mode"):
@@ -116,8 +111,9 @@ def test_refusals_name_the_fields(tmp_path):
         sampling.decide(_args(tmp_path, "colocate"), _trainer_facts("qlora", _args(tmp_path), use_dora=True))
     with pytest.raises(ValueError, match="fast_qlora"):
         sampling.decide(_args(tmp_path, "colocate", lora_serving="merged"), qlora)
-    with pytest.raises(ValueError, match="vllm_mode='server'"):
-        sampling.decide(_args(tmp_path, "server", fair_cast="stochastic", lora_serving="adapters"), qlora)
+    server = sampling.decide(_args(tmp_path, "server", fair_cast="stochastic"), qlora)  # adapters to a server
+    assert server.kind == "lora_server" and server.engine.weights == "nf4" and server.engine.max_loras == 2
+    assert any("trl-fp8 vllm-serve --model <the base> --lora_r 8 --load_in_4bit" in n for n in server.notes)
 
 
 @pytest.mark.parametrize("alpha,rslora,ok", [(16, False, True), (32, False, True), (12, False, False),

@@ -149,19 +149,21 @@ def test_a_rollout_generated_without_the_adapter_stops_the_first_step(tmp_path, 
     with pytest.raises(trl_fp8.WeightSyncError) as info:
         trainer.train()
     message = str(info.value)
-    assert info.value.check == "freshness" and "at step 0" in message, message
+    assert info.value.check == "freshness" and "at step 0," in message, message
     assert "8 of 8 rollouts were generated with no adapter (the bare base)" in message, message
     assert "the learner synced adapter version 0" in message, message
     assert trainer.state.global_step == 0  # stopped before the first optimizer step
     _release(trainer)
 
 
-def test_a_vllm_server_is_refused_adapters_and_auto_sends_it_merged_weights():
+def test_auto_serves_adapters_to_every_sampler_merged_on_request():
     from trl_fp8 import serving
 
     class Args:
         use_vllm, vllm_mode, lora_serving = True, "server", "auto"
 
-    assert serving.resolved(Args) == "merged"
+    assert serving.resolved(Args) == "adapters"  # a `trl-fp8 vllm-serve` server takes adapter versions
     Args.vllm_mode = "colocate"
     assert serving.resolved(Args) == "adapters"
+    Args.lora_serving = "merged"
+    assert serving.resolved(Args) == "merged"

@@ -445,7 +445,9 @@ def test_the_vllm_lora_internals_we_rely_on_exist():
     if "self.lora_manager = " not in inspect.getsource(LoRAModelRunnerMixin.load_lora_model):
         moved.append("model_runner.lora_manager")
     assert not moved, moved
-    assert vllm_lora.VLLM_LORA_RANKS == vllm_lora._allowed_ranks()
+    from trl_fp8 import sampling
+
+    assert sampling.VLLM_LORA_RANKS == sampling._allowed_ranks()
     assert parse_fine_tuned_lora_name(vllm_lora.peft_to_vllm_name(
         "base_model.model.model.layers.0.mlp.down_proj.lora_B.default.weight", "default")) == \
         ("model.layers.0.mlp.down_proj", False)

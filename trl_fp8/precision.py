@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from .capability import check_choice
+from .sampling import vllm_dtype  # noqa: F401 (the dtype a colocated engine is started with: the decision's)
 
 logger = logging.getLogger("trl_fp8.precision")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -132,9 +133,3 @@ def resolve_precision(args, capabilities=()) -> str | None:
     return resolved
 
 
-def vllm_dtype(args) -> str | None:
-    """The dtype a colocated vLLM engine is started with: 'half' when ``precision`` chose fp16; None: TRL's (none
-    passed, so vLLM reads the checkpoint's)."""
-    if getattr(args, "precision", None) is not None and getattr(args, "fp16", False):
-        return "half"
-    return None

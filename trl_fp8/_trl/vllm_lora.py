@@ -84,11 +84,11 @@ def fourbit_base_stream(model, dtype: torch.dtype):
     """``(vLLM name, dequant(W) in dtype)`` for every bitsandbytes 4-bit linear of a (PEFT) model, one at a time: the
     base the learner computes with, for :meth:`VLLMLoraStream.push_base`."""
     from .. import fourbit
+    from ..serving import merged_name
 
     for name, module in model.named_modules():
         if fourbit.is_4bit(module):
-            served = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            yield f"{served}.weight", fourbit.dequantize(module, dtype)
+            yield f"{merged_name(name)}.weight", fourbit.dequantize(module, dtype)
 
 
 # -- the engine's LoRA internals (colocate) ---------------------------------------------------------------------

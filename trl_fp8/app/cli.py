@@ -11,6 +11,9 @@
 - ``trl-fp8 plan --model NAME|config.json|DIR [--qlora | --lora-r R | --full] [--device t4|2xt4|l4|a100-40|h100-80|
   BYTES] [--json]``: will it fit? The memory plan of a run (:mod:`trl_fp8.plan`), per component, before anything
   is loaded.
+- ``trl-fp8 vllm-serve --model NAME [--lora_r R] [--lora_target_modules ...] [--load_in_4bit] [-- vllm args]``: a
+  vLLM server a LoRA/QLoRA run (``--use_vllm true --vllm_mode server``) pushes adapter versions to
+  (:mod:`trl_fp8.app.serve`).
 """
 
 from __future__ import annotations
@@ -334,11 +337,18 @@ GRPO_EXIT_STATUS = ("exit status of `trl-fp8 grpo`: 0 finished; 75 (EX_TEMPFAIL)
                     "time budget or a SIGTERM, with a checkpoint saved: run the same command again to resume; 2 a bad "
                     "argument; anything else: the training failed.")
 
+def cmd_vllm_serve(argv: list[str]) -> int:
+    from .serve import main as serve_main
+
+    return serve_main(argv)
+
+
 COMMANDS = {
     "demo": (cmd_demo, "run the offline demo (GRPO on an embedded model and task, CPU)"),
     "grpo": (cmd_grpo, "run GRPO like `trl grpo`, with trl_fp8's trainer and config fields"),
     "plot": (cmd_plot, "draw the PNG report of a metrics.jsonl, or overlay several runs"),
     "plan": (cmd_plan, "will it fit? the memory of a run, per component, for a model config and a device"),
+    "vllm-serve": (cmd_vllm_serve, "a vLLM server a LoRA/QLoRA run pushes adapter versions to (vllm_mode server)"),
 }
 
 
@@ -348,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: trl-fp8 {" + ",".join(COMMANDS) + "} ...\n")
         for name, (_, text) in COMMANDS.items():
-            print(f"  {name:<6} {text}")
+            print(f"  {name:<10} {text}")
         print(f"\n{GRPO_EXIT_STATUS}")
         return 0
     if argv[0] in ("-V", "--version"):

@@ -109,13 +109,9 @@ class FairCast(Capability):
 
     @classmethod
     def serves(cls, args, facts) -> str | None:
-        """A full model (or a LoRA served merged): its served copy, as a dense stream to vLLM or to an in-process twin.
-        A LoRA served as adapters: its served factors as LoRA versions to vLLM; in-process, nothing (the policy itself,
-        its factors holding the served values, generates)."""
-        use_vllm = sampling.vllm_mode(args) != "off"
-        if facts.lora is not None and serving.resolved(args) == "adapters":
-            return sampling.LORA_VERSIONS if use_vllm else None
-        return sampling.DENSE_STREAM if use_vllm else sampling.TWIN
+        from .serves import serves
+
+        return serves(args, facts)
 
     def offer(self, trainer) -> SamplerOffer | None:
         """The served copy as what the sampler is sent: to the in-process twin (which then generates), to TRL's vLLM
@@ -140,9 +136,9 @@ class FairCast(Capability):
         served value between optimizer steps; an adapter's ``lora_B`` holds it divided by its scaling ``s``) — for
         the checks' ``quant_parity``, independently of the stream. Under autocast the loss casts the parameter to the
         autocast dtype and scales the layer's output by ``s``, so the effective factor is ``cast(B̂ / s) · s``,
-        computed here in fp32; it is returned in the served dtype when that holds it exactly, else in fp32 (and then
-        differs from what is served, which the check reports). None where no parameter holds it (a merged LoRA
-        layer, a 4-bit base, DeepSpeed's partitions)."""
+        computed here in fp32 and returned in fp32: the check compares the served tensor, widened exactly, with it bit
+        for bit (a value the served dtype cannot hold fails). None where no parameter holds it (a merged LoRA layer,
+        a 4-bit base, DeepSpeed's partitions)."""
         unit = self.served.units.get(name) if self.served is not None and self.zero is None else None
         param = getattr(unit, "param", None)
         if param is None:
@@ -151,10 +147,7 @@ class FairCast(Capability):
         autocast = self._autocast_dtype
         if autocast is not None:
             value = value.to(autocast)
-        scale = getattr(unit, "scale", 1.0)
-        value = value.float() * scale if scale != 1 else value.float()
-        served = value.to(self.dtype)
-        return served if torch.equal(served.float(), value) else value
+        return serving.folded(value, getattr(unit, "scale", 1.0))
 
     @staticmethod
     def validate(args) -> None:
@@ -200,7 +193,7 @@ class FairCast(Capability):
         self.adapters = False
         if layout.kind == "deepspeed" and layout.zero_stage == 3:
             return self._setup_zero3(trainer, model, record)
-        self.adapters = is_peft_model(model) and serving.resolved(args) == "adapters"
+        self.adapters = is_peft_model(model) and trainer.sampling.serving == "adapters"  # as decided
         if self.adapters:
             from .peft import adapter_units
 

@@ -24,23 +24,16 @@ import math
 
 from ..memory import PERSISTENT, Row, per
 
-METRIC_ELEMENTS = 65536  # trl_fp8.fair_cast.served.METRIC_ELEMENTS (a test keeps the two equal)
+METRIC_ELEMENTS = 65536  # elements of the trained tensors sampled (a fixed subset) for Fair Cast's metrics
 SERVED_BYTES = {"bfloat16": 2, "float16": 2}
 FP32 = 4
 
 
 def metric_subset_sizes(numels: list[int], budget: int = METRIC_ELEMENTS) -> list[int]:
-    """Elements of the fixed metric sample per trained tensor (``ServedCopy._init_metric_subset``): ``max(1, min(n,
+    """Elements of the fixed metric sample per trained tensor (what ``ServedCopy`` samples): ``max(1, min(n,
     ceil(budget × n / total)))``."""
-    total = max(1, sum(numels))
+    total = max(1, sum(numels))  # (a process may hold empty shards)
     return [max(1, min(n, math.ceil(budget * n / total))) for n in numels]
-
-
-def lora_serving(args) -> str:
-    """``"adapters"`` or ``"merged"``, as the trainer resolves it (:func:`trl_fp8.serving.resolved`)."""
-    from ..serving import resolved
-
-    return resolved(args)
 
 
 def memory_rows(spec) -> list[Row]:
@@ -66,7 +59,7 @@ def memory_rows(spec) -> list[Row]:
             row("Fair Cast in-process twin (sampler)", sb * n + buffers,
                 per(sb, "params", n) + f" + buffers ({buffers} B)", "twin")
         trained = [t.numel for t in spec.base_tensors()]
-    elif lora_serving(spec.args) == "adapters":
+    elif spec.lora_serving == "adapters":  # as the run's sampling decision says
         n = spec.adapter_params
         row("Fair Cast fp32 adapter masters", FP32 * n, per(FP32, "adapter params", n), "master")
         row("Fair Cast served adapters", sb * n, per(sb, "adapter params", n), "served")

@@ -16,6 +16,7 @@ import torch
 
 from .. import _trl, fourbit, numerics, sampling, serving
 from ..capability import Capability, Conflict, SamplerOffer, check_choice
+from . import memory
 from .cache import RolloutCache
 from .counters import DequantCounter
 from .layers import PolicyEdits, rank_layers, select_within_budget
@@ -24,9 +25,6 @@ logger = logging.getLogger("trl_fp8.fast_qlora")
 FAST_QLORA_MODES = ("off", "auto", "on")
 CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 GIB = 2**30
-CACHE_CAP_BYTES = 8 * GIB  # the automatic rollout-cache budget never exceeds this
-CACHE_MARGIN_FRACTION = 0.25  # ... and leaves this fraction of the free memory (at least CACHE_MARGIN_BYTES) free
-CACHE_MARGIN_BYTES = 2 * GIB
 DEFAULT_KEEP_BUDGET_GB = 0.25
 
 
@@ -101,12 +99,10 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 def automatic_cache_bytes(device: torch.device) -> int:
-    """The free memory minus a margin (a quarter of it, at least 2 GiB), at most :data:`CACHE_CAP_BYTES`."""
+    """The automatic rollout-cache budget for ``device``'s free memory (:func:`trl_fp8.fast_qlora.memory.
+    automatic_cache_bytes`: the rule the memory plan reads too); 0 where the free memory is unknown."""
     free = free_memory_bytes(device)
-    if free is None:
-        return 0
-    margin = max(CACHE_MARGIN_BYTES, int(free * CACHE_MARGIN_FRACTION))
-    return max(0, min(CACHE_CAP_BYTES, free - margin))
+    return 0 if free is None else memory.automatic_cache_bytes(free)
 
 
 def resolve_cache_dtype(name: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
@@ -139,14 +135,9 @@ class FastQLoRA(Capability):
 
     @classmethod
     def serves(cls, args, facts) -> str | None:
-        """Over a 4-bit LoRA policy: in-process, the rollout cache; to vLLM with ``lora_serving='merged'``, the dense
-        ``dequant(W) + ΔW`` stream (a 16-bit engine). To vLLM as adapters it has nothing to add: the engine serves
-        base + adapters (the sampling decision's own adapter serving)."""
-        if not (facts.four_bit and facts.lora is not None):
-            return None
-        if sampling.vllm_mode(args) == "off":
-            return sampling.ROLLOUT_CACHE
-        return None if _adapters(args) else sampling.DENSE_STREAM
+        from .serves import serves
+
+        return serves(args, facts)
 
     @staticmethod
     def validate(args) -> None:
@@ -300,7 +291,7 @@ class FastQLoRA(Capability):
         if not trainer.use_vllm:
             return SamplerOffer(sampler=RolloutCacheSampler(),
                                 numerics=lambda: self._cache_numerics(self.cache_dtype, self.cache_budget_bytes()))
-        if _adapters(trainer.args):
+        if trainer.sampling.kind != sampling.DENSE_STREAM:
             return None  # the engine serves base + adapters (the sampling decision's own adapter serving)
         from .vllm import QLoRAVLLMExport
 
@@ -329,7 +320,7 @@ class FastQLoRA(Capability):
                 weight = fourbit.merged_weight(module)
                 if fourbit.is_4bit(base):
                     self.counter.count_explicit()
-                prefix = _served_name(module_name)
+                prefix = serving.merged_name(module_name)
                 target = dtype or (fourbit.compute_dtype(base) if fourbit.is_4bit(base) else base.weight.dtype)
                 yield prefix + ".weight", weight.to(target)
                 if getattr(base, "bias", None) is not None:
@@ -346,21 +337,12 @@ class FastQLoRA(Capability):
             module = fourbit_weights.get(id(param))
             if module is not None:
                 self.counter.count_explicit()
-                yield _served_name(name), fourbit.dequantize(module).to(dtype or fourbit.compute_dtype(module))
+                yield serving.merged_name(name), fourbit.dequantize(module).to(dtype or fourbit.compute_dtype(module))
                 continue
-            yield _served_name(name), param.detach().to(dtype or param.dtype)
+            yield serving.merged_name(name), param.detach().to(dtype or param.dtype)
 
     # -- metrics -------------------------------------------------------------------------------------------------
     def record_step(self) -> None:
         counts = self.counter.reset()
         _trl.record_metric(self.trainer, "qlora/dequant_calls", counts["total"])
         _trl.record_metric(self.trainer, "qlora/kept_layers", len(self.edits.kept))
-
-
-def _adapters(args) -> bool:
-    return serving.resolved(args) == "adapters"
-
-
-def _served_name(name: str) -> str:
-    return name.removeprefix("base_model.model.").replace(".base_layer", "")
-

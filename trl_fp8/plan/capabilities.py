@@ -22,13 +22,26 @@ def _sync_checks_on(args) -> bool:
 
 @dataclass(frozen=True)
 class PlannedCapability:
-    """A capability as a plan sees it: ``wanted(args)`` and ``memory_rows(spec)`` (its package's ``memory`` module)."""
+    """A capability as a plan sees it: ``wanted(args)``, ``memory_rows(spec)`` (its package's ``memory`` module), and
+    for the sampling decision its ``overrides`` and ``serves(args, facts)`` (its package's ``serves`` module, the very
+    declaration the capability class reads)."""
 
     name: str
     on: Callable[[object], bool]
+    overrides: tuple[str, ...] = ()
+    declares_serving: bool = False
 
     def wanted(self, args) -> bool:
         return bool(self.on(args))
+
+    def serves(self, args, facts) -> str | None:
+        if not self.declares_serving:
+            return None
+        return importlib.import_module(f"trl_fp8.{self.name}.serves").serves(args, facts)
+
+    @property
+    def __name__(self) -> str:  # noqa: A003 - read by composition's messages, as a class's name would be
+        return self.name
 
     def memory_rows(self, spec) -> list[Row]:
         return list(importlib.import_module(f"trl_fp8.{self.name}.memory").memory_rows(spec))
@@ -37,8 +50,9 @@ class PlannedCapability:
 # The order of trl_fp8.registry.CAPABILITIES (a test checks it).
 CAPABILITIES = (
     PlannedCapability("mxfp8", lambda a: getattr(a, "mxfp8", False)),
-    PlannedCapability("fast_qlora", lambda a: getattr(a, "fast_qlora", "off") != "off"),
-    PlannedCapability("fair_cast", lambda a: getattr(a, "fair_cast", "off") != "off"),
+    PlannedCapability("fast_qlora", lambda a: getattr(a, "fast_qlora", "off") != "off", declares_serving=True),
+    PlannedCapability("fair_cast", lambda a: getattr(a, "fair_cast", "off") != "off", ("fast_qlora",),
+                      declares_serving=True),
     PlannedCapability("duet", lambda a: getattr(a, "duet", False)),
     PlannedCapability("sync_checks", _sync_checks_on),
     PlannedCapability("time_budget", lambda a: getattr(a, "time_budget", None) is not None),

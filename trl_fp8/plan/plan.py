@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 
+from .. import sampling
 from ..memory import GENERATION, PERSISTENT, TRAINING, Row, bytes_text, per
 from .devices import GIB, Device, resolve_device
 from .models import PROJECTIONS, resolve_model
@@ -257,13 +258,16 @@ def make_spec(model, args=None, *, peft=None, quantization=None, device="t4", ro
         run.vllm_mode = vllm
     from ..serving import resolved as resolved_serving
 
-    serving = lora_serving or resolved_serving(run)  # "auto": adapters, except to a vLLM server (merged)
-    if serving not in ("adapters", "merged"):
-        raise ValueError(f"lora_serving={serving!r} is not valid; allowed values: 'auto', 'adapters', 'merged'.")
-    if serving == "adapters" and lora is not None and vllm == "server":
-        raise ValueError("lora_serving='adapters' with vllm='server': a `vllm serve` server loads LoRA adapters only "
-                         "from its own disk, so the trainer sends it merged weights (lora_serving='auto' or "
-                         "'merged'); adapters are served to a colocated engine or in-process.")
+    if lora_serving is not None:
+        if lora_serving not in ("auto", "adapters", "merged"):
+            raise ValueError(f"lora_serving={lora_serving!r} is not valid; allowed values: 'auto', 'adapters', "
+                             "'merged'.")
+        run.lora_serving = lora_serving
+    # who samples and what the engine loads: the trainer's own decision (trl_fp8.sampling), refusals included
+    from .capabilities import CAPABILITIES  # the capabilities' own declarations, read without importing TRL
+
+    decision = sampling.decide(run, plan_facts(lora, quant), CAPABILITIES, platform="cuda")
+    serving = decision.serving or resolved_serving(run)  # a full model has none; the field still resolves
     run.lora_serving = serving
     if quant is None:
         adapter = FP32  # PEFT upcasts factors over a 16/32-bit base to fp32 (autocast_adapter_dtype)
@@ -294,51 +298,53 @@ def make_spec(model, args=None, *, peft=None, quantization=None, device="t4", ro
                     compute_bytes=compute, adapter_bytes=adapter, vllm=vllm, lora_serving=serving,
                     gradient_checkpointing=gradient_checkpointing, chunked_logits=chunked_logits,
                     optimizer=optimizer, extra={"precision": prec})
-    spec.extra["sampler_owner"] = sampler_of(spec)["owner"]  # for the capabilities' rows (who generates)
+    spec.extra["sampling"] = decision
+    spec.extra["sampler_owner"] = decision.owner  # for the capabilities' rows (who generates)
     return spec
+
+
+def plan_facts(lora: LoraSpec | None, quant: QuantSpec | None) -> sampling.ModelFacts:
+    """The model facts the sampling decision reads, from the plan's LoRA and quantization (the scaling is not planned:
+    any)."""
+    facts = None if lora is None else sampling.LoraFacts(rank=lora.r, target_modules=tuple(lora.targets))
+    return sampling.ModelFacts(lora=facts, four_bit=quant is not None)
+
+
+def decision_of(spec: PlanSpec) -> sampling.SamplingDecision:
+    """The sampling decision of a planned run: the one the trainer makes for the same config and model."""
+    return spec.extra["sampling"]
 
 
 # -- which sampler generates, and what its sync streams ---------------------------------------------------------------
 def sampler_of(spec: PlanSpec) -> dict:
-    """The one sampler of the run and what feeds it, as the trainer decides it (composition's offers): a vLLM engine
-    fed a stream; Fair Cast's in-process twin (full fine-tuning, or merged LoRA serving); fast QLoRA's rollout cache
-    (4-bit LoRA in-process, no twin); otherwise the learner itself.
-
-    ``fresh_stream_bytes``: bytes a stream derives anew (kept by the weight-sync checks' learner side);
-    ``reference_cast_params``: fp32 parameters the logprob check casts to the engine's dtype for its reference."""
-    a = spec.args
-    fair_cast = getattr(a, "fair_cast", "off") != "off"
-    fast_qlora = getattr(a, "fast_qlora", "off") != "off" and spec.quant is not None and spec.lora is not None
-    twin = fair_cast and not spec.use_vllm and (spec.full or spec.lora_serving == "merged")
-    # owner: the capability whose offer wins (Fair Cast overrides fast QLoRA), None: TRL's own sampler and stream
-    owner = "fair_cast" if fair_cast and (spec.use_vllm or twin) else "fast_qlora" if fast_qlora else None
-    out = {"kind": "policy", "fresh_stream_bytes": 0, "reference_cast_params": 0, "stream_bytes": 0, "owner": owner}
+    """The bytes of the run's one sampler and what feeds it, read from its sampling decision (:func:`decision_of`):
+    ``kind`` (``"vllm"``, ``"twin"``, ``"rollout_cache"`` or ``"policy"``: the learner itself), ``owner``,
+    ``stream_bytes`` (what a sync sends, in 16-bit), ``fresh_stream_bytes`` (bytes a stream derives anew, kept by
+    the weight-sync checks' learner side) and ``reference_cast_params`` (fp32 parameters the logprob check casts to
+    the engine's dtype for its reference)."""
+    decision = decision_of(spec)
+    kind = decision.kind
+    out = {"kind": "policy", "fresh_stream_bytes": 0, "reference_cast_params": 0, "stream_bytes": 0,
+           "owner": decision.owner}
     if spec.use_vllm:
         out["kind"] = "vllm"
-        if spec.full:
-            out["stream_bytes"] = HALF * spec.base_params
-        elif fair_cast and spec.lora_serving == "adapters" or not fair_cast and spec.quant is None:
-            # adapters: the served factors (Fair Cast) or the factors themselves, cast to the engine's dtype
-            out["stream_bytes"] = HALF * spec.adapter_params
-        else:
-            out["stream_bytes"] = HALF * spec.base_params
-        if fast_qlora and not fair_cast and spec.lora_serving == "adapters":  # rounded factors, derived anew
-            out["stream_bytes"] = HALF * spec.adapter_params
+        out["stream_bytes"] = HALF * (spec.adapter_params if decision.adapters else spec.base_params)
+        if decision.adapters and decision.owner == sampling.BUILTIN_OWNER:  # rounded factors, derived anew
             out["fresh_stream_bytes"] = HALF * spec.adapter_params
             out["fresh_stream_per"] = per(HALF, "adapter params (factors rounded to the engine's dtype, kept for "
                                           "quant_parity)", spec.adapter_params)
-        elif fast_qlora and not fair_cast:  # fast QLoRA streams dequant(W) + ΔW, derived layer by layer
+        elif kind == sampling.DENSE_STREAM and decision.owner == "fast_qlora":  # dequant(W) + ΔW, layer by layer
             out["fresh_stream_bytes"] = HALF * spec.base_params
             out["fresh_stream_per"] = per(HALF, "base params (dense dequant(W) + ΔW kept for quant_parity)",
                                           spec.base_params)
-        elif not fair_cast:  # TRL's stream: the learner's own tensors; the reference casts its fp32 ones
+        elif kind == sampling.TRL:  # TRL's stream: the learner's own tensors; the reference casts its fp32 ones
             out["reference_cast_params"] = spec.base_params if spec.full or spec.base_bytes == FP32 else 0
             if spec.lora is not None and spec.adapter_bytes == FP32:
                 out["reference_cast_params"] += spec.adapter_params
-    elif twin:
+    elif kind == sampling.TWIN:
         out["kind"] = "twin"
         out["stream_bytes"] = HALF * spec.base_params
-    elif fast_qlora:
+    elif kind == sampling.ROLLOUT_CACHE:
         out["kind"] = "rollout_cache"
     return out
 
@@ -380,14 +386,22 @@ def _generation_rows(spec: PlanSpec, sampler: dict) -> list[Row]:
 
 
 def engine_weight_bytes(spec: PlanSpec) -> int:
-    """A vLLM engine's copy of the model: 16-bit, or (QLoRA) the 4-bit base bitsandbytes builds on CUDA, plus one LoRA
-    slot in 16-bit for a LoRA run (adapters served, not merged)."""
-    weights = sum(spec.quant.weight_bytes(t.numel) if spec.quantized(t) else HALF * t.numel
+    """A vLLM engine's copy of the model, as the sampling decision says it loads it: 16-bit weights, or the 4-bit base
+    bitsandbytes builds on CUDA (adapters served over a 4-bit base); plus its LoRA slots in 16-bit (``max_loras``
+    of them) where it serves adapters — none for a dense stream or TRL's merged sync."""
+    engine = decision_of(spec).engine
+    nf4 = engine is not None and engine.weights == "nf4"
+    weights = sum(spec.quant.weight_bytes(t.numel) if nf4 and spec.quantized(t) else HALF * t.numel
                   for t in spec.base_tensors())
-    return weights + (HALF * spec.adapter_params if spec.lora is not None else 0)
+    slots = engine.max_loras if engine is not None and engine.lora is not None else 0
+    return weights + slots * HALF * spec.adapter_params
 
 
 def _engine_rows(spec: PlanSpec) -> tuple[list[Row], list[str], list[str]]:
+    """The vLLM engine's reservation (``gpu_memory_utilization × card``: all of it held), split into what lives in it,
+    as the sampling decision says the engine loads: its weights (16-bit, or a 4-bit base), its LoRA slots
+    (``max_loras`` × the adapters in 16-bit, where it serves adapters), CUDA graphs and profiling activations
+    (estimates), and the KV cache in the rest."""
     rows, problems, notes = [], [], []
     if not spec.use_vllm:
         return rows, problems, notes
@@ -397,19 +411,35 @@ def _engine_rows(spec: PlanSpec) -> tuple[list[Row], list[str], list[str]]:
     else:
         util, gpu = SERVER_UTILIZATION, 1
     reservation = int(util * usable)
-    rows.append(Row(f"vLLM engine ({spec.vllm}): gpu_memory_utilization × card", reservation,
-                    f"{util:g} × {bytes_text(usable)}", PERSISTENT, "engine", gpu=gpu))
-    weights = engine_weight_bytes(spec)
-    kv_room = reservation - weights - ENGINE_OVERHEAD
+    engine = decision_of(spec).engine
+    nf4 = engine.weights == "nf4"
+    slots = engine.max_loras if engine.lora is not None else 0
+    weights = engine_weight_bytes(spec) - slots * HALF * spec.adapter_params
+    where = f"vLLM engine ({spec.vllm})"
+    parts = [(f"{where}: weights, " + ("4-bit base (bitsandbytes) + 16-bit embeddings, norms, head" if nf4 else
+                                       "16-bit"), weights, "as the engine loads the checkpoint", True)]
+    if slots:
+        parts.append((f"{where}: LoRA slots", slots * HALF * spec.adapter_params,
+                      f"{slots} × " + per(HALF, "adapter params", spec.adapter_params), True))
+    parts.append((f"{where}: CUDA graphs + profiling activations", ENGINE_OVERHEAD,
+                  f"~{bytes_text(ENGINE_OVERHEAD)}", False))
+    used = sum(p[1] for p in parts)
+    kv_room = reservation - used
+    parts.append((f"{where}: KV cache (the rest of gpu_memory_utilization × card)", max(0, kv_room),
+                  f"{util:g} × {bytes_text(usable)} − the rows above", True))
+    for what, size, how, exact in parts:
+        rows.append(Row(what, size, how, PERSISTENT, "engine", gpu=gpu, exact=exact))
     one_seq = spec.arch.kv_bytes_per_token(HALF) * spec.rollout.seq
     need = one_seq * spec.rollout.generation_batch
-    notes.append(f"vLLM engine: weights {bytes_text(weights)} + ~{bytes_text(ENGINE_OVERHEAD)} overhead in a "
-                 f"{bytes_text(reservation)} reservation leave {bytes_text(max(0, kv_room))} of KV cache; the "
-                 f"rollouts need {bytes_text(need)} ({spec.rollout.generation_batch} × {spec.rollout.seq} tokens).")
+    notes.append(f"vLLM engine: {bytes_text(reservation)} reserved ({util:g} × the card): weights "
+                 f"{bytes_text(weights)}" + (f", {slots} LoRA slots" if slots else "") + f", ~"
+                 f"{bytes_text(ENGINE_OVERHEAD)} graphs and activations leave {bytes_text(max(0, kv_room))} of KV "
+                 f"cache; the rollouts need {bytes_text(need)} ({spec.rollout.generation_batch} × {spec.rollout.seq} "
+                 "tokens).")
     if kv_room < one_seq:
-        low = (weights + ENGINE_OVERHEAD + need) / usable
-        problems.append(f"the vLLM engine cannot start: {bytes_text(weights)} of weights leave no room for one "
-                        f"sequence's KV cache in gpu_memory_utilization={util:g} × the card; it needs about "
+        low = (used + need) / usable
+        problems.append(f"the vLLM engine cannot start: {bytes_text(used)} of weights and overhead leave no room for "
+                        f"one sequence's KV cache in gpu_memory_utilization={util:g} × the card; it needs about "
                         f"{low:.2f}" + (" (more than the card)" if low > 1 else ""))
     elif kv_room < need:
         notes.append("vLLM will run the rollouts in several waves (KV cache smaller than the batch).")

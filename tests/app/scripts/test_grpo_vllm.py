@@ -60,10 +60,9 @@ def test_lora_fair_cast_with_vllm_colocate_serves_adapters(tmp_path):
 
 
 def test_a_combination_that_cannot_run_is_one_line_before_any_model_loads(tmp_path):
-    """QLoRA with a vLLM server as adapters: refused by the sampling decision, exit status 2, no traceback (and no
-    server is needed: nothing connects before the refusal)."""
-    proc, _ = _grpo(tmp_path, *QLORA, "--vllm_mode", "server", "--fair_cast", "stochastic", "--lora_serving",
-                    "adapters", timeout=300)
+    """QLoRA served as adapters to a colocated engine that sleeps (level 2 discards the base; the sync sends only the
+    adapters): refused by the sampling decision, exit status 2, no traceback, before any model or engine loads."""
+    proc, _ = _grpo(tmp_path, *QLORA, "--vllm_mode", "colocate", "--vllm_enable_sleep_mode", "true", timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "trl-fp8 grpo: error: use_vllm=True, vllm_mode='server'" in proc.stderr
+    assert "trl-fp8 grpo: error: LoRA adapter serving cannot run with vllm_enable_sleep_mode=True" in proc.stderr

