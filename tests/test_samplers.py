@@ -58,13 +58,9 @@ def test_transformers_sampler_scores_given_sequences(tied_model):
         VLLMServerSampler(_Client(), {}).sequence_logprobs([[1]], [[2]])
 
 
-def test_the_tied_output_layer_can_be_probed(tied_model):
-    sampler = TransformersSampler(tied_model)
-    assert sampler.alias_reads(0) == {}  # the same Parameter: nothing can be stale in-process
-    sampler.probe_aliases = True
-    (alias, (effective, target)), = sampler.alias_reads(0).items()
-    assert alias == "lm_head.weight" and effective.shape == (64, 8)
-    assert torch.equal(effective, target)
+def test_a_tied_output_layer_in_process_has_nothing_to_probe(tied_model):
+    # the same Parameter: nothing can be stale in-process (vLLM's repacked copies are probed: test_vllm_engine.py)
+    assert TransformersSampler(tied_model).alias_reads(0) == {}
 
 
 class _Client:

@@ -266,7 +266,7 @@ class SyncMonitor:
             self.report(C.quant_parity([n for n in self.learner.shapes if n in manifest], self.learner.reference,
                                        s.read_effective, verified))
         if self.enabled("cache_hygiene"):
-            self.report(C.cache_hygiene(step, log.reset_ok, s.cached_blocks(), s.cache_observable))
+            self.report(C.cache_hygiene(step, s.cached_blocks(), s.cache_observable))
         if self.enabled("differential_oracle") and not first and (self.syncs - 1) % (ORACLE_EVERY * self.interval) == 0:
             before = self._state(s, step)
             s.load((n, t) for n, t in log.tensors.items() if n in manifest)
