@@ -85,6 +85,18 @@ def test_quant_parity_compares_with_the_learner_quantizer_not_the_sent_bytes():
     assert not r.passed and "'w' differs from the learner's quantizer output: 1 of 256 elements" in r.message
 
 
+def test_quant_parity_widens_the_served_tensor_to_a_wider_reference_exactly():
+    served = {"w": torch.randn(64).to(torch.bfloat16)}
+    exact = {"w": served["w"].float()}  # the fp32 value the learner computes with, which bf16 holds exactly
+    r = C.quant_parity(["w"], exact.__getitem__, served.__getitem__)
+    assert r.passed and r.applicable and r.metrics == {"compared": 1}
+    inexact = {"w": exact["w"].clone()}
+    inexact["w"][5] = torch.nextafter(inexact["w"][5], torch.tensor(float("inf")))  # rounds to the same bf16
+    assert inexact["w"].to(torch.bfloat16).view(torch.int16).equal(served["w"].view(torch.int16))
+    r = C.quant_parity(["w"], inexact.__getitem__, served.__getitem__)
+    assert not r.passed and "'w' differs from the learner's quantizer output: 1 of 64 elements" in r.message
+
+
 def test_quant_parity_skips_only_references_that_are_the_verified_sent_tensors():
     ref = {"w": torch.randn(8).to(torch.bfloat16)}
     wrong = {"w": ref["w"] + 1}

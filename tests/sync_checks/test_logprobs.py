@@ -48,3 +48,33 @@ def test_tap_table_is_the_rows_padded_with_zeros():
     table = tap.table([[2, 1], [0]])  # the second row stopped after its first token
     assert table.shape == (2, 2)
     assert torch.allclose(table, torch.tensor([[math.log(0.25), math.log(0.2)], [math.log(0.1), 0.0]]), atol=1e-6)
+
+
+def test_tap_reduces_in_batches_with_the_same_result_as_step_by_step():
+    torch.manual_seed(0)
+    steps = [torch.randn(3, 11) for _ in range(7)]
+    tokens = torch.randint(0, 11, (3, 7))
+    completions = [tokens[0].tolist(), tokens[1, :4].tolist(), []]  # row 1 stopped after 4 tokens, row 2 at once
+    tables = []
+    for budget in (1, 3 * 11 * 4 * 2, SampledLogprobTap.BUFFER_BYTES):  # every step, every 2-3 steps, all at the end
+        tap = SampledLogprobTap(temperature=0.5)
+        tap.BUFFER_BYTES = budget
+        ids = torch.zeros(3, 2, dtype=torch.long)
+        for k, logits in enumerate(steps):
+            tap(ids, logits)
+            ids = torch.cat([ids, tokens[:, k:k + 1]], dim=1)
+        tables.append(tap.table(completions))
+    expected = torch.log_softmax(torch.stack(steps, 1) / 0.5, -1).gather(2, tokens[..., None]).squeeze(2)
+    expected[1, 4:] = 0.0
+    expected[2] = 0.0
+    for table in tables:
+        torch.testing.assert_close(table, expected, rtol=0, atol=1e-6)
+
+
+def test_tap_with_rows_other_than_the_completions_refuses_with_a_value_error():
+    import pytest
+
+    tap = SampledLogprobTap()
+    tap(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="recorded 2 rows for 3 completions"):
+        tap.table([[1], [1], [1]])

@@ -12,6 +12,7 @@ tensor it computes with, sliced out of fused layers), ``version()``, ``cached_bl
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -92,6 +93,13 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[a.element_size()]
         return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
     return torch.equal(a, b)
+
+
+@functools.lru_cache(maxsize=None)
+def _widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    """Whether every value of float dtype ``narrow`` is exactly a value of ``wide`` (bf16, fp16, fp8 into fp32)."""
+    return narrow.is_floating_point and wide in (torch.float32, torch.float64) and \
+        torch.finfo(narrow).bits < torch.finfo(wide).bits
 
 
 # -- 1. recipe parity ---------------------------------------------------------------------------------------------
@@ -193,8 +201,11 @@ def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = 
 
     ``reference(name)`` is the learner side (the Fair Cast export, the MXFP8 quantize-dequantize, or a plain
     round-to-nearest cast); ``read(name)`` the sampler side (dequantized where the sampler stores FP8 data and
-    scales). Bitwise. ``sent``: pass the tensors a freshness check just verified, to skip names whose reference
-    *is* the sent tensor (Fair Cast's export): comparing them again would prove nothing new.
+    scales). Bitwise; a reference in a wider float dtype than the served tensor (e.g. the fp32 value the learner's
+    loss computes with, against a bf16 copy) is compared with the served tensor widened (exact): equal bit for bit
+    only where the served dtype holds the reference exactly. ``sent``: pass the tensors a freshness check just
+    verified, to skip names whose reference *is* the sent tensor (Fair Cast's export): comparing them again would
+    prove nothing new.
     """
     compared = 0
     for name in names:
@@ -203,7 +214,10 @@ def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = 
             continue  # the learner's reference is the very tensor sent, and freshness compared it bitwise
         compared += 1
         served = read(name)
-        ref = ref.to(served.device)
+        if ref.device != served.device:
+            ref = ref.to(served.device)
+        if ref.dtype != served.dtype and _widens(served.dtype, ref.dtype):
+            served = served.to(ref.dtype)  # exact: one cast of the served side instead of rounding the reference
         if ref.shape != served.shape or ref.dtype != served.dtype:
             return CheckResult("quant_parity", False, f"'{name}': learner reference {ref.dtype} {tuple(ref.shape)}, "
                                                       f"sampler {served.dtype} {tuple(served.shape)}")
@@ -517,21 +531,23 @@ def logprob_stats(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask
            "seqs": 0, "hist": [0.0] * HIST_BINS}
     if diff.numel() == 0:
         return out
-    ratio = torch.exp(signed.double()[mask])
-    rows = mask.any(dim=1)
-    seq = torch.exp((signed.double() * mask).sum(dim=1)[rows])
+    wide = signed.double()
+    ratio = torch.exp(wide[mask])
+    seq = torch.exp((wide * mask).sum(dim=1)[mask.any(dim=1)])
     d = diff.double()
-    scalars = [d.sum(), d.max(), torch.argmax(diff).double(), ratio.sum(), ratio.min(), ratio.max(), seq.sum(),
-               seq.min(), seq.max(), (d * d).sum()]
+    ratio_min, ratio_max = torch.aminmax(ratio)
+    seq_min, seq_max = torch.aminmax(seq)
+    scalars = [d.sum(), d.max(), torch.argmax(diff).double(), ratio.sum(), ratio_min, ratio_max, seq.sum(),
+               seq_min, seq_max, (d * d).sum()]
     if numerics_logps is not None:
         covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device) & mask
         reference = numerics_logps.float().to(learner.device)
         explained = (learner - reference).abs()[covered].double()
         path = (reference - sampler_logps.float().to(learner.device)).abs()[covered].double()
         judged = full[covered].double()
-        scalars += [explained.sum(), path.sum(), judged.sum(), torch.tensor(float(explained.numel())),
-                    (judged * judged).sum()]
-    values = torch.stack([v.to(torch.float64).cpu() for v in scalars]).tolist()  # one host transfer
+        scalars += [explained.sum(), path.sum(), judged.sum(),
+                    torch.tensor(float(explained.numel()), dtype=torch.float64, device=d.device), (judged * judged).sum()]
+    values = torch.stack(scalars).tolist()  # every scalar is float64 on one device: one stack, one host transfer
     out.update(sum=values[0], count=int(diff.numel()), max=values[1], where=int(values[2]), ratio_sum=values[3],
                ratio_min=values[4], ratio_max=values[5], seq_ratio_sum=values[6], seq_ratio_min=values[7],
                seq_ratio_max=values[8], sq_sum=values[9], seqs=int(seq.numel()), hist=delta_histogram(diff))

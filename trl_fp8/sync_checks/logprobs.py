@@ -7,54 +7,80 @@ import torch
 
 
 class SampledLogprobTap:
-    """A logits processor that records ``log softmax(logits / temperature)`` at each decoding step and, at the
-    next step, reads the token that was sampled (the last column of ``input_ids``). Holds one step at a time.
+    """Records the logits of each decoding step and reads the token that was sampled from them (the last column of
+    the next step's ``input_ids``, or the completion itself for the final step): the sampled token's
+    ``log softmax(logits / temperature)``. Steps are reduced in batches: the logits wait (up to
+    :data:`BUFFER_BYTES`) and one ``log_softmax`` and one ``gather`` serve many steps, so that the per-step cost
+    inside ``generate`` is one reference.
 
     transformers 5 runs user processors *before* its warpers (temperature, top-k, top-p), so the tap divides by
     the temperature itself: the same quantity TRL computes for the learner (temperature only).
     """
 
+    BUFFER_BYTES = 16 * 2 ** 20  # logits held before the waiting steps are reduced
+
     def __init__(self, temperature: float = 1.0):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
         self.temperature = float(temperature)
-        self._previous: torch.Tensor | None = None
-        self._steps: list[torch.Tensor] = []
+        self._logits: list[torch.Tensor] = []  # the waiting steps' logits, [rows, vocab] each
+        self._tokens: list[torch.Tensor] = []  # the token sampled from each waiting step but the last, [rows, 1]
+        self._held = 0
+        self._steps: list[torch.Tensor] = []  # reduced: [rows, k] float32 chunks
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self._collect(input_ids[:, -1])
-        scaled = scores.float() if self.temperature == 1.0 else scores.float() / self.temperature
-        self._previous = torch.log_softmax(scaled, dim=-1)  # a new tensor: later processors cannot change it
+        """As a logits processor: ``scores`` is copied (later processors may change it in place)."""
+        self._record(input_ids, scores.clone())
         return scores
 
     def forward_hook(self, module, args, kwargs, output) -> None:
         """The same record taken as a forward hook on the generating model (``register_forward_hook(...,
         with_kwargs=True)``): each forward of ``generate`` sees the tokens sampled so far (the last column of its
-        ``input_ids``: the whole prompt at prefill, the new token after it) and returns the next-token logits."""
+        ``input_ids``: the whole prompt at prefill, the new token after it) and returns the next-token logits, which
+        ``generate`` copies before its processors run (so they are held without a copy)."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         logits = getattr(output, "logits", None)
         if logits is None and isinstance(output, (tuple, list)) and output:
             logits = output[0]
         if input_ids is None or logits is None:
             return
-        self(input_ids, logits[:, -1, :])
+        self._record(input_ids, logits[:, -1, :])
 
-    def _collect(self, tokens: torch.Tensor) -> None:
-        if self._previous is not None:
-            # stays on the device: no host sync inside the decoding loop
-            self._steps.append(self._previous.gather(1, tokens.unsqueeze(1).to(self._previous.device)).squeeze(1))
-            self._previous = None
+    def _record(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        if self._logits:
+            self._tokens.append(input_ids[:, -1:])
+        self._logits.append(logits)
+        self._held += logits.untyped_storage().nbytes()
+        if self._held > self.BUFFER_BYTES and len(self._logits) > 1:
+            self._reduce(len(self._logits) - 1)  # the last step's token is not known yet
+
+    def _reduce(self, k: int) -> None:
+        """The logprobs of the first ``k`` waiting steps' sampled tokens, as one ``[rows, k]`` chunk."""
+        logits, self._logits = self._logits[:k], self._logits[k:]
+        tokens, self._tokens = self._tokens[:k], self._tokens[k:]
+        stacked = torch.stack(logits, dim=1)  # [rows, k, vocab]
+        if self.temperature != 1.0:
+            stacked = stacked.float() / self.temperature
+        index = torch.cat(tokens, dim=1).to(stacked.device)
+        # stays on the device: no host sync inside the decoding loop
+        self._steps.append(torch.log_softmax(stacked, dim=-1, dtype=torch.float32).gather(2, index[..., None])
+                           .squeeze(2))
+        self._held = sum(t.untyped_storage().nbytes() for t in self._logits)
 
     def table(self, completions: list[list[int]]) -> torch.Tensor:
         """``[rows, steps]`` float32 logprobs of the sampled tokens, on the tap's device; 0 past a row's completion
         (each cut after its EOS, as TRL does)."""
-        if self._previous is not None:  # the final step's token: no processor call followed it
-            k = len(self._steps)
-            self._collect(torch.tensor([c[k] if len(c) > k else 0 for c in completions],
-                                       device=self._previous.device))
+        if self._logits:  # the final step's token: no call followed it; it is the completion's
+            if self._logits[-1].size(0) != len(completions):
+                raise ValueError(f"the tap recorded {self._logits[-1].size(0)} rows for {len(completions)} "
+                                 "completions")
+            k = sum(chunk.size(1) for chunk in self._steps) + len(self._logits) - 1
+            self._tokens.append(torch.tensor([[c[k] if len(c) > k else 0] for c in completions],
+                                             device=self._logits[-1].device))
+            self._reduce(len(self._logits))
         if not self._steps:
             return torch.zeros(len(completions), 0)
-        table = torch.stack(self._steps, dim=1).float()
+        table = torch.cat(self._steps, dim=1)  # float32 [rows, steps]
         if table.size(0) != len(completions):
             raise ValueError(f"the tap recorded {table.size(0)} rows for {len(completions)} completions")
         if any(len(c) > table.size(1) for c in completions):

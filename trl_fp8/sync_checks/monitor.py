@@ -47,7 +47,8 @@ class LearnerSide:
                  specs: dict[str, numerics.TensorSpec], computed: Callable[[str], torch.Tensor | None] | None = None):
         """``computed(name)``: where the stream *is* the served tensor (Fair Cast's export), the value the learner's
         loss computes with, read from its parameters instead (None for a name without one): the reference is then
-        that value through the spec's quantizer, an independent side for ``quant_parity``."""
+        that value through the spec's quantizer (a dense spec: the value itself, in its own dtype, which the served
+        tensor widened exactly must equal bit for bit), an independent side for ``quant_parity``."""
         self.exported = exported
         self.specs = specs
         self.computed = computed
@@ -58,8 +59,12 @@ class LearnerSide:
         self._current = dict(self.exported())
 
     def reference(self, name: str) -> torch.Tensor:
+        spec = self.specs[name]
         value = self.computed(name) if self.computed is not None else None
-        return numerics.quantize(self._current[name] if value is None else value, self.specs[name])
+        if value is None:
+            return numerics.quantize(self._current[name], spec)
+        # dense: no cast here (a round-to-nearest would hide a value the served dtype cannot hold)
+        return value.detach() if spec.format == "dense" else numerics.quantize(value, spec)
 
 
 def supported_checks(sampler: Sampler) -> frozenset[str]:
