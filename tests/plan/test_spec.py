@@ -44,7 +44,7 @@ def test_lora_factors_of_qwen25_7b():
 def test_metric_sample_sizes_follow_fair_cast():
     from trl_fp8.fair_cast import served
 
-    assert METRIC_ELEMENTS == served.METRIC_ELEMENTS
+    assert served.METRIC_ELEMENTS is METRIC_ELEMENTS  # one home: fair_cast.memory
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 1000, 70000)]
     copy = served.ServedCopy.from_named_params([(str(i), p) for i, p in enumerate(params)], "rtn")
     assert [len(copy._subset[str(i)]) for i in range(3)] == metric_subset_sizes([5, 1000, 70000])

@@ -27,10 +27,8 @@ from __future__ import annotations
 import torch
 
 from .. import fourbit
+from ..serving import LORA_PARAM_TOKENS, lora_factors, merged_name
 from .served import ParamUnit
-
-PEFT_PREFIX = "base_model.model."
-LORA_PARAM_TOKENS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 
 
 class LoraUnit:
@@ -141,8 +139,6 @@ def adapter_units(peft_model) -> list:
 
     from .served import AdapterUnit
 
-    units, owned = [], set()
-    names = {id(p): n for n, p in peft_model.named_parameters()}
     for module_name, layer in peft_model.named_modules():
         if not isinstance(layer, LoraLayer):
             continue
@@ -159,14 +155,12 @@ def adapter_units(peft_model) -> list:
                 raise ValueError(f"Fair Cast with lora_serving='adapters' supports LoRA on linear layers only; {where} "
                                  "is an embedding. Use lora_serving='merged' or leave embeddings out of "
                                  "target_modules.")
-            if adapter not in layer.lora_A:
-                continue
-            scale = layer.scaling[adapter]
-            for factor, s in ((layer.lora_A[adapter].weight, 1.0), (layer.lora_B[adapter].weight, scale)):
-                if factor.dtype in (torch.bfloat16, torch.float16):
-                    factor.data = factor.data.float()
-                units.append(AdapterUnit(names[id(factor)], factor, s))
-                owned.add(id(factor))
+    units, owned = [], set()
+    for name, factor, s in lora_factors(peft_model):  # lora_B carries its layer's scaling
+        if factor.dtype in (torch.bfloat16, torch.float16):
+            factor.data = factor.data.float()
+        units.append(AdapterUnit(name, factor, s))
+        owned.add(id(factor))
     if not units:
         raise ValueError("Fair Cast with lora_serving='adapters': the model has no active LoRA adapters on linear "
                          "layers.")
@@ -178,12 +172,6 @@ def adapter_units(peft_model) -> list:
                 "or use lora_serving='merged'."
             )
     return units
-
-
-def _served_name(name: str) -> str:
-    if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX):]
-    return name.replace(".base_layer", "")
 
 
 def lora_units(peft_model) -> list:
@@ -198,11 +186,11 @@ def lora_units(peft_model) -> list:
     lora_bases = {id(m.get_base_layer()) for m in peft_model.modules() if isinstance(m, LoraLayer)}
     for module_name, module in peft_model.named_modules():
         if isinstance(module, LoraLayer):
-            unit = LoraUnit(_served_name(module_name) + ".weight", module)
+            unit = LoraUnit(merged_name(module_name) + ".weight", module)
             units.append(unit)
             lora_weights.add(id(unit.weight))
         elif fourbit.is_4bit(module) and id(module) not in lora_bases:
-            units.append(FourBitUnit(_served_name(module_name) + ".weight", module))
+            units.append(FourBitUnit(merged_name(module_name) + ".weight", module))
             lora_weights.add(id(module.weight))
     for name, param in peft_model.named_parameters():
         if id(param) in lora_weights or any(f".{t}." in name for t in LORA_PARAM_TOKENS):
@@ -212,5 +200,5 @@ def lora_units(peft_model) -> list:
                 f"Fair Cast does not support PEFT `modules_to_save` yet (parameter '{name}'); train those modules "
                 "with LoRA or leave them frozen."
             )
-        units.append(ParamUnit(_served_name(name), param))
+        units.append(ParamUnit(merged_name(name), param))
     return units

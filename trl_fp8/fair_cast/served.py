@@ -21,10 +21,11 @@ from collections.abc import Iterable
 import torch
 
 from ..numerics import dtype_name
+from ..serving import folded
+from .memory import METRIC_ELEMENTS, metric_subset_sizes
 from .rounding import error_feedback_round, round_nearest, stochastic_round, ulp
 
 EXPORT_MODES = ("rtn", "stochastic", "error_feedback")
-METRIC_ELEMENTS = 65536  # elements sampled (fixed subset) for the metrics
 LAG_EMA = 0.9  # EMA factor of the per-step master update used by `lag_steps`
 
 
@@ -87,7 +88,7 @@ class AdapterUnit(ParamUnit):
 
     @property
     def master(self) -> torch.Tensor:
-        return self.stored if self.scale == 1 else self.stored * self.scale
+        return self.stored if self.scale == 1 else folded(self.stored, self.scale)
 
     def capture(self) -> None:
         self.stored.copy_(self.param.data)
@@ -199,11 +200,9 @@ class ServedCopy:
     def _init_metric_subset(self, budget: int) -> None:
         # metrics follow the units that change (the trainable ones)
         sizes = {n: math.prod(self.units[n].shape) for n in self.trainable}
-        total = max(1, sum(sizes.values()))  # (a process may hold empty shards)
         gen = torch.Generator().manual_seed(self.seed ^ 0x5EED)
         self._subset = {}
-        for n, numel in sizes.items():
-            k = max(1, min(numel, math.ceil(budget * numel / total)))
+        for (n, numel), k in zip(sizes.items(), metric_subset_sizes(list(sizes.values()), budget)):
             # clone: a slice would keep the whole int64 permutation (8 B per element) alive on CPU
             self._subset[n] = torch.randperm(numel, generator=gen)[:k].clone().to(self.units[n].device)
         self._ema = None

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 from ..memory import GENERATION, GIB, PERSISTENT, Row, bytes_text, per
 
-CACHE_CAP_BYTES = 8 * GIB  # trl_fp8.fast_qlora.component (a test keeps them equal)
-CACHE_MARGIN_FRACTION = 0.25
+CACHE_CAP_BYTES = 8 * GIB  # the automatic rollout-cache budget never exceeds this
+CACHE_MARGIN_FRACTION = 0.25  # ... and leaves this fraction of the free memory (at least CACHE_MARGIN_BYTES) free
 CACHE_MARGIN_BYTES = 2 * GIB
 HALF = 2
 
 
 def automatic_cache_bytes(free: int) -> int:
-    """The automatic rollout-cache budget for ``free`` bytes
-    (``trl_fp8.fast_qlora.component.automatic_cache_bytes``)."""
+    """The automatic rollout-cache budget for ``free`` bytes: the free memory minus a margin (a quarter of it, at
+    least 2 GiB), at most :data:`CACHE_CAP_BYTES` (the trainer's rule, ``FastQLoRA.cache_budget_bytes``, and the
+    memory plan's)."""
     margin = max(CACHE_MARGIN_BYTES, int(free * CACHE_MARGIN_FRACTION))
     return max(0, min(CACHE_CAP_BYTES, free - margin))
 
