@@ -111,6 +111,29 @@ def test_a_constructed_trainer_has_every_attribute_we_read(tmp_path, demo_dir):
     assert isinstance(_trl.num_beams(trainer), int)
 
 
+def test_every_site_outside_trl_that_reads_a_trl_private_trainer_name_is_listed():
+    import re
+    from pathlib import Path
+
+    import transformers.trainer
+    import trl.trainer.grpo_trainer
+
+    # a private name TRL's or transformers' trainer sets or defines (trl_fp8's own, e.g. _step_boundary, are not)
+    theirs = inspect.getsource(trl.trainer.grpo_trainer) + inspect.getsource(transformers.trainer)
+    root = Path(trl_fp8.__file__).parent
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        if where.startswith("_trl/"):
+            continue
+        for name in re.findall(r"\btrainer\.(_[A-Za-z]\w*)", path.read_text()):
+            if re.search(rf"self\.{name}\b|def {name}\(", theirs):
+                found.setdefault(where, set()).add(name)
+    assert found == {where: set(names) for where, names in _trl.PRIVATE_READERS.items()}, found
+    unpinned = {n for names in _trl.PRIVATE_READERS.values() for n in names} - set(_trl.TRAINER_ATTRIBUTES)
+    assert not unpinned, f"read outside _trl but not in TRAINER_ATTRIBUTES: {sorted(unpinned)}"
+
+
 def test_vllm_attributes_are_still_set_by_trl():
     # read from TRL's source: building a vLLM engine needs the vllm environment (tests/sync_checks/test_vllm_engine.py)
     from trl.generation.vllm_generation import VLLMGeneration

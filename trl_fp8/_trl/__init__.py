@@ -2,18 +2,31 @@
 
 Split by what it adapts — ``trainer`` (TRL's trainer internals), ``checkpoint`` (TRL's and transformers' checkpoint
 internals), ``vllm_engine`` (TRL's vLLM generation and the colocated engine), ``vllm_lora`` (LoRA versions pushed
-to a colocated engine, imported on first use), ``cli`` (TRL's command line) and ``contract`` (what is pinned) — and re-exported here: callers use ``trl_fp8._trl.<name>``.
+to a colocated engine, imported on first use), ``vllm_server_lora`` (adapter versions pushed to a ``trl-fp8
+vllm-serve`` server, imported on first use), ``vllm_worker`` (the worker extension such a server starts with),
+``cli`` (TRL's command line) and ``contract`` (what is pinned) — and re-exported here: callers use
+``trl_fp8._trl.<name>``.
 
-Nothing else in trl_fp8 reaches into a private method, an undocumented attribute or a module global of TRL or
-vLLM: it calls a function here. Two exceptions by design: :class:`trl_fp8.samplers.VLLMColocateSampler` is the
-adapter of a vLLM engine's *layers* (``packed_modules_mapping``, ``output_sizes``, ``quant_method``,
-``input_size_per_partition``) and reads them itself, and :class:`trl_fp8.samplers.VLLMLoraSampler` reads the LoRA
-layers' stacked buffers (``lora_a_stacked`` / ``lora_b_stacked``) and the adapter manager's slots; the real-engine
-tests (``tests/sync_checks/test_vllm_engine.py``, ``tests/test_vllm_lora.py``) exercise every one of them.
-``tests/test_trl_contract.py`` pins what this module relies on — the signatures of
-the TRL methods trl_fp8 overrides or calls, the trainer attributes it reads, and a fingerprint (hash of the
-source) of each TRL code block whose *internals* it depends on — so a TRL upgrade fails with the list of what
-moved instead of a silent change. Tested with the TRL range in :data:`TESTED_TRL`.
+Outside this package, trl_fp8 reaches into a private method, an undocumented attribute or a module global of TRL or
+vLLM only at these sites, each listed in :data:`PRIVATE_READERS` (the contract test finds every ``trainer._<name>``
+outside ``_trl`` that TRL's or transformers' trainer sets and holds it to that list) and each name pinned in
+:data:`TRAINER_ATTRIBUTES`:
+
+- ``checkpoints/boundary.py`` records TRL's micro-batch position (``_step``) and the buffered generation
+  (``_buffered_inputs``) at each step boundary, and ``checkpoints/save.py`` puts them back around a save of a
+  step stopped mid-way (two sites) — TRL's ``_prepare_inputs`` reads them (fingerprinted in :data:`MIRRORED`);
+- ``duet/component.py`` tokenizes a dataset row as TRL does (``_tokenize_prompts``) to key its per-prompt tables, and
+  hands TRL's tokenizer (``_tokenizer``) to its stopping rule and to its vLLM rollouts (two sites);
+- by design, :class:`trl_fp8.samplers.VLLMColocateSampler` is the adapter of a vLLM engine's *layers*
+  (``packed_modules_mapping``, ``output_sizes``, ``quant_method``, ``input_size_per_partition``) and reads them
+  itself, and :class:`trl_fp8.samplers.VLLMLoraSampler` reads the LoRA layers' stacked buffers (``lora_a_stacked`` /
+  ``lora_b_stacked``) and the adapter manager's slots; the real-engine tests (``tests/sync_checks/test_vllm_engine.py``,
+  ``tests/test_vllm_lora.py``) exercise every one of them.
+
+``tests/test_trl_contract.py`` pins what this module relies on — the signatures of the TRL methods trl_fp8 overrides
+or calls, the trainer attributes it reads, the sites above, and a fingerprint (hash of the source) of each TRL code
+block whose *internals* it depends on — so a TRL upgrade fails with the list of what moved instead of a silent
+change. Tested with the TRL range in :data:`TESTED_TRL`.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from .contract import (  # noqa: F401
     VLLM_ATTRIBUTES,
     MIRRORED,
     PATCHED_GLOBALS,
+    PRIVATE_READERS,
     resolve,
     fingerprint,
 )

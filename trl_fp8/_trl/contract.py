@@ -38,7 +38,16 @@ TRAINER_ATTRIBUTES = (
     "_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint", "_load_from_checkpoint",
     "hp_search_backend",
     "use_adaptive_entropy", "entropy_coef", "_last_world_entropy", "num_iterations", "_step", "_buffered_inputs",
+    "_tokenize_prompts",  # DUET keys its per-prompt tables by the prompt as TRL tokenizes it
 )
+# The modules outside trl_fp8._trl that read TRL-private trainer names themselves (module path below trl_fp8/ -> the
+# names, each in TRAINER_ATTRIBUTES): tests/test_trl_contract.py finds every `trainer._<name>` outside _trl that TRL's
+# or transformers' trainer sets and holds it to this list.
+PRIVATE_READERS = {
+    "checkpoints/boundary.py": ("_buffered_inputs", "_step"),
+    "checkpoints/save.py": ("_buffered_inputs", "_step"),
+    "duet/component.py": ("_tokenize_prompts", "_tokenizer"),
+}
 # ... and those set only with use_vllm=True (on the trainer, then on its VLLMGeneration).
 VLLM_ATTRIBUTES = {
     "GRPOTrainer": ("vllm_generation",),
