@@ -1,7 +1,10 @@
 """Where capabilities meet, read from what each declares (:class:`trl_fp8.capability.Capability`): the set-up order
-(``after``), the settings and capabilities a run cannot combine (``conflicts``, ``excludes``), and which offer wins
-when two offer a sampler, a generation path or an engine call (``overrides``). No imports of any capability — a new
-capability declares its joins in its own class; it reads a trainer only where it resolves a trainer's offers.
+(``after``), the settings and capabilities a run cannot combine (``conflicts``, ``excludes``), and which declaration
+wins where two meet (``overrides``, applied by :func:`winner`): what serves the sampler (each capability's
+``serves``, read once by :func:`trl_fp8.sampling.decide` before TRL builds anything), the in-process generation path
+and the vLLM engine call. No imports of any capability — a new capability declares its joins in its own class; this
+module reads a trainer only to resolve its offers at set-up and at each generation, and to describe the composition
+at start.
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
-"""What the trainer's sampler serves, behind one interface: the in-process transformers model, a vLLM engine in
-the same process (TRL's colocate mode) or a vLLM server.
+"""What the trainer's sampler serves, behind one interface, one class per kind of the sampling decision
+(:mod:`trl_fp8.sampling`): an in-process transformers model (a twin), fast QLoRA's rollout cache (rebuilt per
+generation, nothing synced into it), a vLLM engine in the same process (TRL's colocate mode) or a vLLM server, each
+sent dense tensors, and a colocated engine's or a ``trl-fp8 vllm-serve`` server's LoRA versions (adapters, base
+loaded once); plus the installers of the two adapter kinds and the adapter stream sent without Fair Cast.
 
 A sampler answers in *learner names* (``model.layers.0.self_attn.q_proj.weight``), whatever its own layout (vLLM
 fuses q/k/v and gate/up into one parameter). What it can do is declared, not assumed: ``readable`` (its tensors
 can be read back), ``has_prefix_cache`` (it keeps a prefix/KV cache across calls) and ``cache_observable`` (that
 cache's state can be read). Fair Cast exports into a sampler, the weight-sync checks read back from it. The
 numerics of its tensors are data (:class:`trl_fp8.numerics.TensorSpec`): the capability that quantizes a layer
-passes a ``describe`` function, so this module knows no quantization format. TRL's and vLLM's internals are
-reached through :mod:`trl_fp8._trl` only.
+passes a ``describe`` function, so this module knows no quantization format. TRL's and vLLM's private functions are
+reached through :mod:`trl_fp8._trl` only; by design the vLLM samplers read their engine's layers and LoRA buffers
+themselves (listed in :mod:`trl_fp8._trl`'s docstring).
 """
 
 from __future__ import annotations

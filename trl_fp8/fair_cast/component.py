@@ -56,7 +56,8 @@ class FairCastArgs:
 
 
 def _refuse_unsupported_peft(model) -> None:
-    """Fair Cast serves a full model or a LoRA model's merged weights; other PEFT methods have no merged form."""
+    """Fair Cast serves a full model, or a LoRA model as base + rounded adapter factors (``lora_serving="adapters"``,
+    the default) or as merged weights (``"merged"``); other PEFT methods have neither form."""
     from accelerate.utils import is_peft_model
 
     if not is_peft_model(model):
@@ -66,8 +67,8 @@ def _refuse_unsupported_peft(model) -> None:
     if kind != "LORA" or getattr(config, "is_prompt_learning", False):
         raise ValueError(
             f"fair_cast with a PEFT {kind} model is not supported: Fair Cast serves the full weights, or a LoRA "
-            "model's merged weights W + ΔW, and a prompt-learning or other adapter has no merged form to serve. Use "
-            "LoRA (peft LoraConfig), a full model, or fair_cast='off'."
+            "model's base with its rounded adapter factors (or its merged weights W + ΔW), and a prompt-learning or "
+            "other adapter has neither form to serve. Use LoRA (peft LoraConfig), a full model, or fair_cast='off'."
         )
 
 
