@@ -32,8 +32,8 @@ plan's embedded table (``trl_fp8.plan.MODELS["smollm2-1.7b"]``: hidden 2048, MLP
 
 Time: it runs the set-ups in that order within ``--budget-s`` (default: ``CHECK_LIMIT_S`` less 10 s, which
 ``run_all.sh`` sets to the check's limit; else 600) and starts one only while 1.5× the longest so far is left; the ones
-it cannot start are listed as not run (time), not failed. Sized for ~90 s on one H200 (an estimate: never run there
-yet): 2 steps of 16 rows (4 prompts × 4) × (~64 prompt + 128 completion) tokens each.
+it cannot start are listed as not run (time), not failed. Sized for ~90 s on one H200 (run there: two set-ups fit
+90 s, all five 205 s): 2 steps of 16 rows (4 prompts × 4) × (~64 prompt + 128 completion) tokens each.
 
     python benchmarks/gpu/memory_check.py                       # on the GPU machine (run_all.sh)
     python benchmarks/gpu/memory_check.py --device cpu --quick  # smoke run anywhere (run_all.sh --smoke, CI)
