@@ -60,3 +60,17 @@ def test_the_console_script_exits_0_and_prints_the_verdict():
 
 def test_fast_qlora_choices_are_the_config_s():
     assert list(FAST_QLORA) == config_choices("fast_qlora")
+
+
+def test_the_engine_share_is_honoured_for_a_server_too(capsys):
+    """--vllm-gpu-memory-utilization sets the server's share of its card (default 0.9, trl-fp8 vllm-serve's) as it sets
+    a colocated engine's (default 0.3, TRL's)."""
+    import json
+
+    shares = {}
+    for value in (None, "0.8"):
+        argv = ["plan", "--model", "qwen2.5-7b", "--qlora", "--device", "2xt4", "--vllm", "server", "--json"]
+        assert main(argv + (["--vllm-gpu-memory-utilization", value] if value else [])) == 0
+        shares[value] = json.loads(capsys.readouterr().out)["totals"]["1"]["total"]
+    usable = 14.70 * 2**30
+    assert abs(shares[None] / usable - 0.9) < 0.01 and abs(shares["0.8"] / usable - 0.8) < 0.01

@@ -18,6 +18,16 @@ LIMITS = {"--lora-r": 2**16, "--generations": 2**16, "--batch-size": 2**16, "--s
           "--gradient-accumulation-steps": 2**16, "--completion-length": 2**22, "--prompt-length": 2**22}
 
 
+def utilization(args) -> dict:
+    """``--vllm-gpu-memory-utilization`` as the run's field: TRL's ``vllm_gpu_memory_utilization`` for a colocated
+    engine, the server's own (``vllm_server_gpu_memory_utilization``, what ``trl-fp8 vllm-serve`` is started with) for
+    a server; nothing when not given (the defaults: 0.3 and 0.9)."""
+    value = args.vllm_gpu_memory_utilization
+    if value is None:
+        return {}
+    return {"vllm_server_gpu_memory_utilization" if args.vllm == "server" else "vllm_gpu_memory_utilization": value}
+
+
 def build_parser(error) -> argparse.ArgumentParser:
     from .devices import DEVICES
     from .models import MODELS
@@ -70,8 +80,9 @@ def build_parser(error) -> argparse.ArgumentParser:
                    help="gradient checkpointing (on)")
     p.add_argument("--vllm", default="off", choices=["off", "colocate", "server"],
                    help="vLLM sampler: off (in-process generate), colocate, or server (on a second GPU)")
-    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3,
-                   help="colocated engine's share of the card, in (0, 1] (TRL's default %(default)s)")
+    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=None,
+                   help="the vLLM engine's share of its card, in (0, 1]: default 0.3 for a colocated engine (TRL's), "
+                        "0.9 for a server (trl-fp8 vllm-serve's --gpu_memory_utilization)")
     p.add_argument("--optim", default="adamw", choices=["adamw", "adamw_8bit"], help="optimizer state (adamw)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="auto: bf16 where the card has it natively, else fp16 (T4)")
@@ -95,7 +106,7 @@ def _check(args, fail) -> None:
             fail(f"{flag} must be an integer from 1 to {limit}, got {value}.")
     if not (math.isfinite(args.beta) and 0 <= args.beta <= 1e6):
         fail(f"--beta must be a number from 0 to 1e6, got {args.beta}.")
-    if not 0 < args.vllm_gpu_memory_utilization <= 1:  # nan and inf fail too
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:  # nan, inf
         fail(f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}.")
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     if args.targets.strip() not in ("all-linear", "all") and (not targets or set(targets) - set(PROJECTIONS)):
@@ -144,7 +155,7 @@ def run(argv: list[str], usage_error: type[Exception]) -> int:
         per_device_train_batch_size=batch, gradient_accumulation_steps=args.gradient_accumulation_steps,
         steps_per_generation=args.steps_per_generation or args.gradient_accumulation_steps,
         max_completion_length=args.completion_length,
-        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization, precision=args.precision))
+        precision=args.precision, **utilization(args)))
     try:
         plan = memory_plan(
             model, run_args, peft={"r": args.lora_r or 16, "target_modules": args.targets} if lora else None,

@@ -409,7 +409,7 @@ def _engine_rows(spec: PlanSpec) -> tuple[list[Row], list[str], list[str]]:
     if spec.vllm == "colocate":
         util, gpu = float(getattr(spec.args, "vllm_gpu_memory_utilization", 0.3)), 0
     else:
-        util, gpu = SERVER_UTILIZATION, 1
+        util, gpu = float(getattr(spec.args, "vllm_server_gpu_memory_utilization", None) or SERVER_UTILIZATION), 1
     reservation = int(util * usable)
     engine = decision_of(spec).engine
     nf4 = engine.weights == "nf4"
