@@ -3,7 +3,9 @@
 DUET keeps per-prompt statistics and length quantiles in Python (host memory, a few numbers per prompt) and one
 stopping criterion per generation call; it holds no tensor on the GPU. It generates only the planned rollouts, so the
 KV cache of a step is at most that of TRL's full group (the plan counts the full group: the worst case, e.g. a cold
-start), and the loss forward still runs on the whole batch (placeholders padded like any row).
+start). With a token-sum loss (``dapo``, the default, ``cispo``, ``vespo``) the loss forward skips the placeholder
+and aborted rows: on average a β share of the batch, but the budget is in tokens, and a step whose prompts all expect
+short rollouts can fill every slot, so the plan — an upper bound — keeps the full micro-batch for the loss.
 """
 
 from __future__ import annotations
