@@ -75,6 +75,7 @@ from .vllm_engine import (  # noqa: F401
     trl_vllm_stream,
     vllm_name,
     set_vllm_stream,
+    DenseVLLMStream,
     wrap_vllm_sync,
     vllm_engine_dtype,
     replacing_vllm_generate,

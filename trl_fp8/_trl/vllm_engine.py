@@ -25,6 +25,32 @@ def set_vllm_stream(generation, stream) -> None:
     generation._iter_named_params = stream
 
 
+class DenseVLLMStream:
+    """A dense stream to a vLLM engine, as TRL's sync iterates it (set by the trainer's dense-stream installer):
+    ``stream()`` yields ``(learner name, tensor)`` already in the dtype the engine computes in, sent under TRL's vLLM
+    names. :meth:`check_engine` runs once, at the first sync, before anything is sent, and :meth:`check_tensor` on
+    each tensor: a capability's subclass refuses there an engine that would round or quantize what it is sent."""
+
+    def __init__(self, generation, stream):
+        self.generation = generation
+        self.stream = stream
+        self.engine_checked = False
+
+    def check_engine(self) -> None:
+        pass
+
+    def check_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        pass
+
+    def __call__(self):
+        if not self.engine_checked:
+            self.check_engine()
+            self.engine_checked = True
+        for name, tensor in self.stream():
+            self.check_tensor(name, tensor)
+            yield vllm_name(self.generation, name), tensor
+
+
 def wrap_vllm_sync(generation, around) -> None:
     """Wrap TRL's ``sync_weights`` on this instance: ``around(run)`` is called for each sync, and ``run(tap)`` runs
     TRL's sync with its stream passed through ``tap`` (an iterable -> iterable)."""

@@ -15,16 +15,14 @@ from ..numerics import dtype_name
 from .served import ServedCopy
 
 
-class VLLMExport:
+class VLLMExport(_trl.DenseVLLMStream):
     """The stream TRL's sync sends with Fair Cast: the served tensors under TRL's vLLM names."""
 
     def __init__(self, generation, served: ServedCopy, stream=None):
-        self.generation = generation
+        super().__init__(generation, stream if stream is not None else (lambda: iter(served.served.items())))
         self.served = served
-        self.stream = stream if stream is not None else (lambda: iter(served.served.items()))
-        self.engine_checked = False
 
-    def check_engine_dtype(self) -> None:
+    def check_engine(self) -> None:
         engine = _trl.vllm_engine_dtype(self.generation)
         served = dtype_name(self.served.dtype)
         if engine is not None and engine != served:
@@ -33,12 +31,7 @@ class VLLMExport:
                 f"them again. Start vLLM with dtype={served!r} (server: `--dtype {served}`) or set served_dtype="
                 f"{engine!r}."
             )
-        self.engine_checked = True
 
-    def __call__(self):
-        if not self.engine_checked:
-            self.check_engine_dtype()
-        for name, tensor in self.stream():
-            if tensor.dtype != self.served.dtype:  # the guard: no implicit RTN downstream of the export
-                raise AssertionError(f"Fair Cast would push '{name}' as {tensor.dtype}, not {self.served.dtype}")
-            yield _trl.vllm_name(self.generation, name), tensor
+    def check_tensor(self, name, tensor) -> None:
+        if tensor.dtype != self.served.dtype:  # the guard: no implicit RTN downstream of the export
+            raise AssertionError(f"Fair Cast would push '{name}' as {tensor.dtype}, not {self.served.dtype}")

@@ -14,9 +14,11 @@ from .. import _trl
 from ..numerics import torch_dtype
 
 
-class QLoRAVLLMExport:
+class QLoRAVLLMExport(_trl.DenseVLLMStream):
+    """``stream()``: ``(served name, tensor in the engine dtype)``, what the weight-sync checks hold the engine to."""
+
     def __init__(self, generation, capability):
-        self.generation = generation
+        super().__init__(generation, lambda: capability.export_stream(self.dtype()))
         self.capability = capability
         self._dtype = None
 
@@ -34,10 +36,5 @@ class QLoRAVLLMExport:
             self._dtype = torch_dtype(name) if name is not None else None
         return self._dtype
 
-    def stream(self):
-        """``(served name, tensor in the engine dtype)``: what the weight-sync checks hold the engine to."""
-        return self.capability.export_stream(self.dtype())
-
-    def __call__(self):
-        for name, tensor in self.stream():
-            yield _trl.vllm_name(self.generation, name), tensor
+    def check_engine(self) -> None:
+        self.dtype()
