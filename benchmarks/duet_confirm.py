@@ -160,12 +160,16 @@ def decide(curves: dict) -> dict:
     return {"pending": not done, "better": better, "adopt": adopt, "winner_group": winner, "why": why}
 
 
-def report(jsonl: str = JSONL, plot: str | None = PLOT) -> list[str]:
+def _runlog_runs(jsonl: str) -> dict:
     import _runlog
 
+    return _runlog.load_runs(jsonl, KEYS)
+
+
+def report(jsonl: str = JSONL, plot: str | None = PLOT) -> list[str]:
     lines = []
     say = lines.append
-    curves = duet_race.curves_from(_runlog.load_runs(jsonl, KEYS), ARMS)
+    curves = duet_race.curves_from(_runlog_runs(jsonl), ARMS)
     say(f"DUET confirmatory race: SmolLM2-135M-Instruct, mixed_math, full fine-tuning, fp32, CPU 1 thread; "
         f"{duet_race.PROMPTS} prompts a step, {duet_race.STEPS} steps, lr {duet_race.LR:g}; seeds {list(SEEDS)}; "
         f"target {TARGET} (pre-registered)")
