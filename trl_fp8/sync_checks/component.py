@@ -299,24 +299,27 @@ class SyncChecks(Capability):
             self.monitor.after_rollouts(int(trainer.state.global_step), self.monitor.sampler.version())
         if not trainer.model.training or not self.monitor.logprob_due():
             return output
-        rows = check_rows(output["completion_mask"])
-        if rows.numel() == 0 and not self.distributed:  # (with many ranks, every rank takes part in the check)
+        mask = output["completion_mask"]
+        if not self.distributed and not bool(mask.any()):  # no row to check (with many ranks, every rank takes part)
             return output
         recorded = sampler_logps is not None and len(sampler_logps) == output["completion_ids"].size(0)
         if self.distributed:  # every rank takes the same path, so the check's collective happens at the same point
             recorded = all(distributed.gather_objects(recorded))
         if "sampling_per_token_logps" in output and "old_per_token_logps" in output:  # vLLM: μ and π at hand
-            self._compare(trainer, output, output["old_per_token_logps"], output["sampling_per_token_logps"], rows)
+            self._compare(trainer, output, output["old_per_token_logps"], output["sampling_per_token_logps"],
+                          check_rows(mask))
         elif recorded:
             # μ travels with the batch; π comes from the loss forward (see on_policy_logps)
             width = output["completion_ids"].size(1)
-            padded = torch.zeros(len(sampler_logps), width, dtype=torch.float32, device=sampler_logps.device)
-            keep = min(width, sampler_logps.size(1))
-            padded[:, :keep] = sampler_logps[:, :keep]  # past a completion: masked out by completion_mask
+            padded = sampler_logps.float()
+            if padded.size(1) != width:  # past a completion: masked out by completion_mask
+                padded = torch.zeros(len(sampler_logps), width, dtype=torch.float32, device=sampler_logps.device)
+                keep = min(width, sampler_logps.size(1))
+                padded[:, :keep] = sampler_logps[:, :keep]
             output[SAMPLER_LOGPS_KEY] = padded.to(output["completion_ids"].device)
             self._pending = True
         else:
-            self._rescore(trainer, output, rows)
+            self._rescore(trainer, output, check_rows(mask))
         return output
 
     @torch.no_grad()
@@ -344,19 +347,21 @@ class SyncChecks(Capability):
         if not self._pending or SAMPLER_LOGPS_KEY not in inputs:
             return
         self._pending = False
-        mask = inputs["completion_mask"]
-        rows = check_rows(mask)
-        if rows.numel() == 0 and not self.distributed:
+        if not self.distributed and not bool(inputs["completion_mask"].any()):  # no row to check
             return
-        self._compare(trainer, inputs, logps.detach(), inputs[SAMPLER_LOGPS_KEY], rows)
+        self._compare(trainer, inputs, logps.detach(), inputs[SAMPLER_LOGPS_KEY])
 
-    def _compare(self, trainer, batch: dict, learner: torch.Tensor, sampler: torch.Tensor, rows: torch.Tensor) -> None:
-        """The gap on every rollout of ``batch``; ρ on ``rows`` (one small extra forward) when the band asks for it
-        (every evaluation while it calibrates, then every ``LOGPROB_REFERENCE_EVERY``-th; the same on every rank)."""
+    def _compare(self, trainer, batch: dict, learner: torch.Tensor, sampler: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> None:
+        """The gap on every rollout of ``batch``; ρ on ``rows`` (default :func:`check_rows` of the batch; one small
+        extra forward) when the band asks for it (every evaluation while it calibrates, then every
+        ``LOGPROB_REFERENCE_EVERY``-th; the same on every rank)."""
         mask = batch["completion_mask"]
         if not self.monitor.band.reference_due():
             self.monitor.after_generation(trainer.state.global_step, learner, sampler, mask)
             return
+        if rows is None:
+            rows = check_rows(mask)
         ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], dim=1)
         attention = torch.cat([batch["prompt_mask"][rows], mask[rows]], dim=1)
         numerics_logps = torch.zeros_like(learner, dtype=torch.float32)

@@ -70,23 +70,24 @@ class SampledLogprobTap:
     def table(self, completions: list[list[int]]) -> torch.Tensor:
         """``[rows, steps]`` float32 logprobs of the sampled tokens, on the tap's device; 0 past a row's completion
         (each cut after its EOS, as TRL does)."""
+        lengths = [len(c) for c in completions]
         if self._logits:  # the final step's token: no call followed it; it is the completion's
             if self._logits[-1].size(0) != len(completions):
                 raise ValueError(f"the tap recorded {self._logits[-1].size(0)} rows for {len(completions)} "
                                  "completions")
             k = sum(chunk.size(1) for chunk in self._steps) + len(self._logits) - 1
-            self._tokens.append(torch.tensor([[c[k] if len(c) > k else 0] for c in completions],
+            self._tokens.append(torch.tensor([[c[k] if n > k else 0] for c, n in zip(completions, lengths)],
                                              device=self._logits[-1].device))
             self._reduce(len(self._logits))
         if not self._steps:
             return torch.zeros(len(completions), 0)
-        table = torch.cat(self._steps, dim=1)  # float32 [rows, steps]
+        table = torch.cat(self._steps, dim=1) if len(self._steps) > 1 else self._steps[0]  # float32 [rows, steps]
         if table.size(0) != len(completions):
             raise ValueError(f"the tap recorded {table.size(0)} rows for {len(completions)} completions")
-        if any(len(c) > table.size(1) for c in completions):
+        if lengths and max(lengths) > table.size(1):
             raise ValueError("the recorded logprobs are shorter than a completion: generate() did not run the tap")
-        lengths = torch.tensor([len(c) for c in completions], device=table.device)
-        return table.masked_fill(torch.arange(table.size(1), device=table.device)[None, :] >= lengths[:, None], 0.0)
+        ends = torch.tensor(lengths, device=table.device)
+        return table.masked_fill(torch.arange(table.size(1), device=table.device)[None, :] >= ends[:, None], 0.0)
 
     def per_row(self, completions: list[list[int]]) -> list[list[float]]:
         """Logprobs of each row's sampled tokens, given the completions (each cut after its EOS, as TRL does)."""
