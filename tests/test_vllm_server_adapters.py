@@ -89,6 +89,7 @@ def test_grpo_pushes_adapter_versions_to_the_server_and_every_check_compares(ser
            "--learning_rate", "1e-4", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
            "--use_cpu", "true", *LORA, "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_port", str(port),
            "--fair_cast", "stochastic", "--sync_checks", "all"]
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500)
     text = run.stdout + run.stderr
     assert run.returncode == 0, text[-5000:]
@@ -104,6 +105,8 @@ def test_grpo_pushes_adapter_versions_to_the_server_and_every_check_compares(ser
     assert not any(v == 0.0 for r in steps for k, v in r.items() if k.startswith("sync/") and not
                    k.startswith(("sync/logp", "sync/is_ratio"))), steps
     assert proc.poll() is None and _serves(base)  # the run ended cleanly and the server keeps serving
+    if shm:  # the adapter versions' RAM-backed folders are gone with the run
+        assert not [n for n in set(os.listdir("/dev/shm")) - shm if n.startswith("trl_fp8_adapters_")]
     server_log = log.read_text()
     assert "Loaded new LoRA adapter: name 'trl_fp8-v1'" in server_log
 

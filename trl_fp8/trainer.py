@@ -54,10 +54,24 @@ def _install_lora_versions(trainer, offer):
     return install_vllm_lora(trainer, model, offer.stream, trainer.sampling)
 
 
+def _install_lora_server(trainer, offer):
+    """LoRA versions to a ``trl-fp8 vllm-serve`` server: as to a colocated engine, over HTTP (one process)."""
+    from .samplers import install_server_lora, rounded_adapter_stream
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if offer.stream is None:
+        offer.stream = rounded_adapter_stream(model, lambda: offer.dtype)
+    sampler = install_server_lora(trainer, offer.stream, trainer.sampling)
+    if offer.dtype is None:
+        offer.dtype = sampler.lora.dtype
+    return sampler
+
+
 # One installer per kind of sampling decision (trl_fp8.sampling); "trl" installs nothing (TRL's own).
 INSTALLERS = {
     sampling.DENSE_STREAM: _install_dense_stream,
     sampling.LORA_VERSIONS: _install_lora_versions,
+    sampling.LORA_SERVER: _install_lora_server,
     sampling.TWIN: _install_nothing,
     sampling.ROLLOUT_CACHE: _install_nothing,
 }
@@ -293,8 +307,12 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     def end(self):
         """TRL's ``end()`` (trackers finished, process group destroyed), after shutting a colocated vLLM engine down
-        in order: otherwise vLLM's exit hook later destroys groups that no longer exist and prints a traceback."""
+        in order (otherwise vLLM's exit hook later destroys groups that no longer exist and prints a traceback), and,
+        with adapter versions to a server, after unloading the last version and removing its RAM-backed folder."""
         _trl.shutdown_trainer_vllm(self)
+        stream = getattr(getattr(self.serving(), "sampler", None), "lora", None)
+        if stream is not None and hasattr(stream, "close") and getattr(self.sampling, "vllm", None) == "server":
+            stream.close()  # the server forgets the run's last version and keeps serving its base
         super().end()
 
     # -- checkpoints: atomic, each capability's state inside, resumed from the newest complete one -----------------

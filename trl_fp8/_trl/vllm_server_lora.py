@@ -26,6 +26,7 @@ caught at the step it happens.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import collections
 import json
@@ -76,6 +77,7 @@ class VLLMServerLoraStream:
         self.spec = spec
         self.version_fn = version_fn
         self.root = root or ram_root()
+        atexit.register(shutil.rmtree, self.root, True)  # RAM-backed: never left behind, however the run ends
         self.base_model = self.client.model
         self.current = None  # (name, version label, lora id)
         self.pushes: collections.deque = collections.deque(maxlen=PUSH_HISTORY)
