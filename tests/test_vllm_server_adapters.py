@@ -49,8 +49,8 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "trl_fp8.app.cli", "vllm-serve", "--model", "trl-fp8:smollm2", "--lora_r", "16",
            "--port", str(port), "--max_model_len", "512", "--enforce_eager"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # unbuffered: the log is read while the server runs
+        proc = subprocess.Popen(cmd, env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
