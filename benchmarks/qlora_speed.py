@@ -1,8 +1,9 @@
 """Fast QLoRA against plain QLoRA and 16-bit LoRA: GRPO step time, generation time, memory, dequantizations per
 step, and what the fast path changes in the numbers.
 
-One random-weight Qwen2 built from a config (default 8 blocks, hidden 1024, MLP 4096, 16 heads of 64, 2 KV heads,
-the character tokenizer's 128-slot vocabulary: 120M parameters, 479 MB in fp32), saved to a temporary folder with a
+One random-weight Qwen2 built from a config (default 2 blocks, hidden 1024, MLP 4096, 16 heads of 64, 2 KV heads,
+the character tokenizer's 128-slot vocabulary: 30M parameters, 120 MB in fp32; ``--full``: 8 blocks, 120M
+parameters, 479 MB, the run the documented figures come from), saved to a temporary folder with a
 local tokenizer and loaded by each trainer as a user's TRL script loads a checkpoint. Three arms on the same model,
 batch and seed:
 
@@ -10,13 +11,15 @@ batch and seed:
                 every trl_fp8 field at its default, i.e. plain TRL
     (b) qlora   QLoRA as TRL runs it today: the base loaded with BitsAndBytesConfig(load_in_4bit=True, nf4, compute
                 dtype as (a)), fast_qlora="off"
-    (c) fast    the same 4-bit load with fast_qlora="on": qlora_keep_budget_gb=--keep-gb (default 0.25, the
-                field's default: dense copies of the highest-error layers; about half of the default model's),
+    (c) fast    the same 4-bit load with fast_qlora="on": qlora_keep_budget_gb=--keep-gb (default 0.0625, a
+                quarter of the field's default, as the model is a quarter of ``--full``'s; ``--full``: 0.25, the
+                field's default: dense copies of the highest-error layers; about half of the model's, either way),
                 qlora_rollout_cache_gb=--cache-gb (default 1.0, set so the memory goal has a stated budget; the
                 field's default is automatic), qlora_cache_dtype = the compute dtype, so that all arms compute
                 at the same activation precision (like for like: the headline)
     (c') fast_auto  the same with qlora_cache_dtype="auto" (bf16 rollouts on an AVX512-BF16/AMX CPU: faster, but
-                not like for like with (a) and (b); reported beside, not in the headline)
+                not like for like with (a) and (b); reported beside, not in the headline; run only where "auto"
+                resolves to another dtype than the compute dtype: elsewhere it would be (c) again)
 
 Each step: 8 completions (4 per prompt) of exactly 64 tokens. LoRA r=16, alpha=32, dropout 0, on every linear;
 gradient checkpointing off in every arm (with it on, (b) would dequantize each layer once more per step); lr 1e-4,
@@ -54,7 +57,11 @@ Equivalence, per seed (``--seeds``):
   4-bit). A random-weight model has flat next-token distributions, so greedy ties flip easily: the logprob gap is
   the figure to judge the numerics by.
 
-    python benchmarks/qlora_speed.py [--layers 8] [--hidden 1024] [--reps 5] [--steps 3] [--seeds 2] [--quick]
+    python benchmarks/qlora_speed.py [--layers 2] [--hidden 1024] [--reps 5] [--steps 3] [--seeds 1] [--full | --quick]
+
+The default (2 blocks of the full run's shape, 5 repetitions, 1 seed) gives the headline in under 10 minutes on a
+2-core CPU; ``--full`` is the 8-block run with 2 seeds (over 25 minutes there) behind the documented figures;
+``--quick`` is a smoke run (seconds; the figures mean nothing).
 
 Last line: ``qlora_step_ratio_vs_lora16: <number>`` -- step time (c) / (a), median over repetitions.
 """
@@ -89,7 +96,7 @@ class Setup:
 
     device: str = "cpu"
     dtype: str = "float32"  # the base's (a) and the 4-bit layers' compute dtype (b, c)
-    layers: int = 8
+    layers: int = 2  # --full: 8
     hidden: int = 1024
     intermediate: int | None = None  # default 4 × hidden
     batch: int = 8  # completions per step (per_device_train_batch_size)
@@ -97,8 +104,8 @@ class Setup:
     completion: int = 64  # tokens per completion (fixed)
     steps: int = 3  # optimizer steps per run; the first is not timed
     reps: int = 5
-    seeds: int = 2
-    keep_gb: float = 0.25
+    seeds: int = 1  # --full: 2
+    keep_gb: float = 0.0625  # --full: 0.25
     cache_gb: float = 1.0
     warmup: bool = True
     seed: int = 0
@@ -532,10 +539,24 @@ def equivalence_budgets_on(plain: Run, fast: Run, setup: Setup, seed: int) -> di
 
 
 # -- the comparison ---------------------------------------------------------------------------------------------------
+def arms_for(setup: Setup) -> tuple:
+    """Every arm, but (c') only where ``qlora_cache_dtype="auto"`` resolves to another dtype than the compute dtype
+    (a CPU with native bf16): elsewhere it is (c) again, run for nothing."""
+    import torch
+
+    from trl_fp8.fast_qlora.component import resolve_cache_dtype
+
+    auto = resolve_cache_dtype("auto", setup.torch_dtype, torch.device(setup.device))
+    return ARMS if auto != setup.torch_dtype else tuple(a for a in ARMS if a != "fast_auto")
+
+
 def run_comparison(setup: Setup, log=None) -> dict:
     """Build the model, measure every arm (memory, interleaved timing), then the equivalence figures."""
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-    results = {"setup": setup}
+    arms = arms_for(setup)
+    results = {"setup": setup, "arms": arms}
+    if "fast_auto" not in arms:
+        log(f"(c') not run: qlora_cache_dtype='auto' resolves to {setup.dtype} here, the compute dtype: it would be (c)")
     with tempfile.TemporaryDirectory() as workdir:
         model_dir = os.path.join(workdir, "model")
         results["parameters"] = build_model_dir(model_dir, setup)
@@ -547,30 +568,31 @@ def run_comparison(setup: Setup, log=None) -> dict:
             torch.ones(8, 8, device=setup.device) @ torch.ones(8, 8, device=setup.device)  # cuBLAS workspace first
         if setup.device == "cpu":
             _preload()
-            for arm in ARMS:  # before anything else runs here: the children fork a lean parent
+            for arm in arms:  # before anything else runs here: the children fork a lean parent
                 memory[arm] = cpu_memory(arm, setup, model_dir, workdir)
                 log(f"memory {arm}: resident {memory[arm]['resident'] / MIB:.0f} MiB, "
                     f"peak {memory[arm]['peak'] / MIB:.0f} MiB")
 
-        runs = {arm: Run(arm, setup, model_dir, workdir) for arm in ARMS}
+        runs = {arm: Run(arm, setup, model_dir, workdir) for arm in arms}
         if setup.warmup:
-            for arm in ARMS:
+            for arm in arms:
                 runs[arm].train()
         per_rep = []
         for rep in range(setup.reps):
-            order = ARMS[rep % len(ARMS):] + ARMS[:rep % len(ARMS)]
+            order = arms[rep % len(arms):] + arms[:rep % len(arms)]
             figures = {arm: runs[arm].train() for arm in order}
             per_rep.append(figures)
             log(f"rep {rep + 1}: " + ", ".join(
-                f"{arm} step {figures[arm]['step']:.3f} s gen {figures[arm]['gen']:.3f} s" for arm in ARMS))
+                f"{arm} step {figures[arm]['step']:.3f} s gen {figures[arm]['gen']:.3f} s" for arm in arms))
         if setup.device != "cpu":
-            memory = {arm: dict(runs[arm].memory) for arm in ARMS}
+            memory = {arm: dict(runs[arm].memory) for arm in arms}
         results.update(per_rep=per_rep, memory=memory)
 
         results["budgets_on"] = [equivalence_budgets_on(runs["qlora"], runs["fast"], setup, s)
                                  for s in range(setup.seeds)]
-        results["budgets_on_auto"] = [equivalence_budgets_on(runs["qlora"], runs["fast_auto"], setup, s)
-                                      for s in range(setup.seeds)]
+        if "fast_auto" in runs:
+            results["budgets_on_auto"] = [equivalence_budgets_on(runs["qlora"], runs["fast_auto"], setup, s)
+                                          for s in range(setup.seeds)]
         for run in runs.values():
             run.close()
         results["budgets_zero"] = [equivalence_budgets_zero(setup, model_dir, workdir, s)
@@ -619,7 +641,7 @@ def report(results: dict, out=print, strict: bool = True) -> None:
         f"(first step of each run untimed); medians")
     out(f"{'arm':<24} | {'step s':>8} | {'generation s':>12} | {'gen share':>9} | {'dequant/step':>12} | "
         f"{'resident MiB':>12} | {'peak MiB':>9}")
-    for arm in ARMS:
+    for arm in results.get("arms", ARMS):
         step, gen = _median(per_rep, arm, "step"), _median(per_rep, arm, "gen")
         dq = [r[arm]["dequant"] for r in per_rep if r[arm]["dequant"] is not None]
         dq_text = f"{statistics.median(dq):.0f}" if dq else "—"
@@ -655,6 +677,8 @@ def report(results: dict, out=print, strict: bool = True) -> None:
         f"{all(z['losses_equal'] for z in zero)}, adapter weights after the steps identical "
         f"{all(z['weights_equal'] for z in zero)} (losses seed 0: {', '.join(f'{x:.3g}' for x in zero[0]['losses'])})")
     for key, label in (("budgets_on", "(c)"), ("budgets_on_auto", "(c')")):
+        if key not in results:
+            continue
         on = results[key]
         identical = sum(e["identical"] * e["rows"] for e in on) / sum(e["rows"] for e in on)
         out(f"budgets on, {label} vs (b), same adapters (‖ΔW‖/‖W‖ {statistics.median(e['delta'] for e in on):.3f}), "
@@ -662,11 +686,14 @@ def report(results: dict, out=print, strict: bool = True) -> None:
             f"identical prefix {statistics.mean(e['prefix'] for e in on):.1f} of {setup.completion} tokens); max "
             f"per-token |Δ logprob| on (b)'s sequences: rollout path (cache {on[0]['cache_dtype']}) "
             f"{max(e['rollout_gap'] for e in on):.3g}, loss path {max(e['loss_gap'] for e in on):.3g}")
-    auto_gen = _ratio_median(per_rep, "qlora", "fast_auto", "gen")
-    auto_step = _ratio_median(per_rep, "fast_auto", "lora16", "step")
-    out(f"(c') cache dtype auto ({results['budgets_on_auto'][0]['cache_dtype']}): generation speed-up over (b) "
-        f"{_fmt(auto_gen)}, step time (c')/(b) {_fmt(_ratio_median(per_rep, 'fast_auto', 'qlora', 'step'))}, "
-        f"(c')/(a) {_fmt(auto_step)} (rollout activations in the cache dtype: not like for like with (a))")
+    if "budgets_on_auto" in results:
+        auto_gen = _ratio_median(per_rep, "qlora", "fast_auto", "gen")
+        auto_step = _ratio_median(per_rep, "fast_auto", "lora16", "step")
+        out(f"(c') cache dtype auto ({results['budgets_on_auto'][0]['cache_dtype']}): generation speed-up over (b) "
+            f"{_fmt(auto_gen)}, step time (c')/(b) {_fmt(_ratio_median(per_rep, 'fast_auto', 'qlora', 'step'))}, "
+            f"(c')/(a) {_fmt(auto_step)} (rollout activations in the cache dtype: not like for like with (a))")
+    else:
+        out("(c') cache dtype auto: not run (it resolves to the compute dtype here: it would be (c))")
 
     budget = (setup.keep_gb + setup.cache_gb) * GIB
     goals = [
@@ -683,6 +710,7 @@ def report(results: dict, out=print, strict: bool = True) -> None:
     out(f"qlora_step_ratio_vs_lora16: {headline:.3f}" if headline is not None else "qlora_step_ratio_vs_lora16: n/a")
 
 
+FULL = dict(layers=8, seeds=2, keep_gb=0.25)  # the documented run: over 25 minutes on a 2-core CPU
 QUICK = dict(layers=2, hidden=64, intermediate=128, batch=4, generations=2, completion=16, steps=2, reps=1, seeds=1,
              keep_gb=1e-4, cache_gb=0.01, warmup=False)  # a smoke run: seconds, figures not meaningful
 
@@ -709,7 +737,10 @@ def add_arguments(parser, defaults: Setup) -> None:
 
 def setup_from_args(parser, args, defaults: Setup) -> Setup:
     """A validated :class:`Setup`: ``defaults`` (or the quick shape), then the arguments given."""
-    setup = replace(defaults, **QUICK) if args.quick else defaults
+    full = getattr(args, "full", False)  # (qlora_speed.py's own flag; the GPU check has its own shape)
+    if args.quick and full:
+        parser.error("--quick and --full are exclusive")
+    setup = replace(defaults, **QUICK) if args.quick else replace(defaults, **FULL) if full else defaults
     given = {k: getattr(args, k) for k in ("layers", "hidden", "reps", "steps", "seeds", "keep_gb", "cache_gb")
              if getattr(args, k) is not None}
     if "hidden" in given and given["hidden"] != setup.hidden:
@@ -739,6 +770,9 @@ def setup_from_args(parser, args, defaults: Setup) -> Setup:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser, Setup())
+    parser.add_argument("--full", action="store_true",
+                        help="the documented run: 8 layers, 2 seeds, keep budget 0.25 GiB (over 25 minutes on a "
+                             "2-core CPU; the default takes under 10)")
     args = parser.parse_args()
     setup = setup_from_args(parser, args, Setup())
     report(run_comparison(setup))
