@@ -226,30 +226,8 @@ def _starts(jsonl: str) -> list[dict]:
 
 
 def _plot(curves: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for arm, color in zip(ARMS, ("C6", "C4", "C1", "C7")):
-        first = True
-        for seed in SEEDS:
-            c = curves.get((arm, seed))
-            if c is None or not c["points"]:
-                continue
-            ax.plot([p[1] for p in c["points"]], [p[4] for p in c["points"]], color=color, marker="o", ms=3, lw=1.2,
-                    ls="-" if c["done"] else ":", label=arm if first else None)
-            first = False
-    ax.axhline(TARGET, color="grey", ls="--", lw=1, label="target (pre-registered)")
-    ax.set(xlabel="generated tokens (cumulative)", ylabel="held-out accuracy",
-           title="DUET confirmatory race, seeds 3-5 (dotted: run in progress)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    if path == PLOT:
-        fig.savefig(DOCS_PLOT, dpi=100)
+    duet_race.plot_curves(curves, ARMS, SEEDS, TARGET, "DUET confirmatory race, seeds 3-5 (dotted: run in progress)",
+                          path, DOCS_PLOT if path == PLOT else None)
 
 
 def main() -> None:

@@ -428,30 +428,37 @@ def write_docs_table(lines: list[str], path: str = DOCS) -> None:
 
 
 def _plot(curves, target, path) -> None:
+    plot_curves(curves, ARMS, SEEDS, target, "DUET race on SmolLM2 mixed_math (dotted: run in progress)", path,
+                DOCS_PLOT if path == PLOT else None)
+
+
+def plot_curves(curves, arms, seeds, target, title, path, docs_path=None) -> None:
+    """Held-out accuracy against cumulative generated tokens, one colour per arm, one line per seed (dotted while a
+    unit runs), the target dashed; saved to ``path`` (and ``docs_path``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4", "C5", "C6")):
-        for i, seed in enumerate(SEEDS):
+    for k, arm in enumerate(arms):
+        labelled = False
+        for seed in seeds:
             c = curves.get((arm, seed))
             if c is None or not c["points"]:
                 continue
-            ax.plot([p[1] for p in c["points"]], [p[4] for p in c["points"]], color=color, alpha=0.8, marker="o",
-                    ms=3, lw=1.2, ls="-" if c["done"] else ":", label=arm if i == 0 or (arm, SEEDS[0]) not in curves
-                    else None)
+            ax.plot([p[1] for p in c["points"]], [p[4] for p in c["points"]], color=f"C{k}", alpha=0.8, marker="o",
+                    ms=3, lw=1.2, ls="-" if c["done"] else ":", label=None if labelled else arm)
+            labelled = True
     if target is not None:
         ax.axhline(target, color="grey", ls="--", lw=1, label="target (pre-registered)")
-    ax.set(xlabel="generated tokens (cumulative)", ylabel="held-out accuracy",
-           title="DUET race on SmolLM2 mixed_math (dotted: run in progress)")
+    ax.set(xlabel="generated tokens (cumulative)", ylabel="held-out accuracy", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    if path == PLOT:
-        fig.savefig(DOCS_PLOT, dpi=100)
+    if docs_path:
+        fig.savefig(docs_path, dpi=100)
 
 
 def main() -> None:

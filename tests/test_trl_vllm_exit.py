@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.vllm_subprocess import subprocess_env
+
 from trl_fp8._trl import shutdown_trainer_vllm, shutdown_vllm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,13 +52,7 @@ def test_shutdown_trainer_vllm_touches_colocate_mode_only():
 
 
 def _env():
-    # A fresh process environment: an engine test earlier in this pytest process set (and may still hold) the
-    # rendezvous variables of its own process group; the child picks its own, as a fresh `trl-fp8 grpo` run does.
-    inherited = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in inherited}
-    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    return subprocess_env()
 
 
 ENGINE_SCRIPT = textwrap.dedent(

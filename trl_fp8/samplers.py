@@ -371,7 +371,28 @@ def lora_sampler(lora, learner_names=None) -> "VLLMLoraSampler":
     return VLLMLoraSampler(lora, learner_names)
 
 
-class VLLMLoraSampler(Sampler):
+class AdapterVersions:
+    """What a sampler served LoRA versions does through its stream (``self.lora``: a colocated engine's or a server's):
+    ``load`` pushes a new version under the current label (nothing to load: nothing pushed, e.g. the checks' start-up
+    oracle before the first sync, when the engine serves the bare base), the version label, and the versions the
+    finished rollouts report."""
+
+    def load(self, named):
+        named = list(named)
+        if named:
+            self.lora.push(named, self.lora.version())
+
+    def version(self):
+        return self.lora.version()
+
+    def set_version(self, step):
+        self.lora.set_version(int(step))
+
+    def rollout_versions(self):
+        return self.lora.rollout_versions()
+
+
+class VLLMLoraSampler(AdapterVersions, Sampler):
     """A colocated engine serving LoRA versions, read in the learner's (PEFT's) names: each factor is the slice of
     its LoRA layer's stacked buffer (``lora_a_stacked`` / ``lora_b_stacked``, per packed sub-module) at the slot of
     the current version — what the kernels compute with. ``load`` pushes a new version."""
@@ -439,24 +460,8 @@ class VLLMLoraSampler(Sampler):
         rows, rank = registered.shape
         return layer.lora_b_stacked[index][slot, 0, :rows, :rank]
 
-    def load(self, named):
-        """Push ``named`` as a new version under the current label (nothing to load: nothing pushed, e.g. the
-        checks' start-up oracle before the first sync, when the engine serves the bare base)."""
-        named = list(named)
-        if named:
-            self.lora.push(named, self.lora.version())
-
-    def version(self):
-        return self.lora.version()
-
-    def set_version(self, step):
-        self.lora.set_version(int(step))
-
     def sequence_logprobs(self, prompts, completions, temperature=1.0):
         return self.lora.sequence_logprobs(prompts, completions, temperature)
-
-    def rollout_versions(self):
-        return self.lora.rollout_versions()
 
     def reset_cache(self):
         return bool(self.llm.reset_prefix_cache())
@@ -507,7 +512,7 @@ def install_server_lora(trainer, stream, decision) -> VLLMServerLoraSampler:
     return VLLMServerLoraSampler(lora)
 
 
-class VLLMServerLoraSampler(Sampler):
+class VLLMServerLoraSampler(AdapterVersions, Sampler):
     """A ``trl-fp8 vllm-serve`` server's current adapter version, read back through its workers (the factors they hold,
     by PEFT name); ``load`` pushes a new version. Its prefix cache cannot be read (a new LoRA id every version keeps
     old blocks from being reused)."""
@@ -531,20 +536,6 @@ class VLLMServerLoraSampler(Sampler):
         if name not in held:
             raise KeyError(f"the vLLM server's current LoRA version holds nothing for '{name}'")
         return held[name]
-
-    def load(self, named):
-        named = list(named)
-        if named:
-            self.lora.push(named, self.lora.version())
-
-    def version(self):
-        return self.lora.version()
-
-    def set_version(self, step):
-        self.lora.set_version(int(step))
-
-    def rollout_versions(self):
-        return self.lora.rollout_versions()
 
     def reset_cache(self):
         self.client.reset_prefix_cache()

@@ -9,17 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm_subprocess import subprocess_env
+
 REPO = Path(__file__).resolve().parents[3]
 QLORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear",
          "--load_in_4bit", "true"]
 
 
 def _env():
-    inherited = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in inherited}
-    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    return subprocess_env()
 
 
 def _grpo(tmp_path, *extra, timeout=900):
