@@ -7,8 +7,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.pop("TRL_FP8_TIME_BUDGET", None)  # a budget in the caller's environment would reach every config
-# Fair Cast's compiled kernels go to a private temporary cache, never the user's home.
-os.environ.setdefault("TRL_FP8_CACHE", __import__("tempfile").mkdtemp(prefix="trl_fp8_kernels_"))
+# Fair Cast's compiled kernels (and the converted SmolLM2, ~0.5 GB) go to a private temporary cache, never the user's
+# home, removed when the test session ends.
+if "TRL_FP8_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TRL_FP8_CACHE"] = tempfile.mkdtemp(prefix="trl_fp8_kernels_")
+    atexit.register(shutil.rmtree, os.environ["TRL_FP8_CACHE"], True)
 
 import pytest  # noqa: E402
 
