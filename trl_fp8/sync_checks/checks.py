@@ -187,11 +187,15 @@ def rollout_versions(step: int, synced, generated: dict) -> CheckResult:
         return CheckResult("freshness", True, "no finished request reported the adapter it used", applicable=False)
     wrong = {v: n for v, n in generated.items() if v is None or str(v) != str(synced)}
     if wrong:
-        named = ", ".join(f"{n} with {'no adapter (the bare base)' if v is None else f'adapter version {v!r}'}"
-                          for v, n in sorted(wrong.items(), key=lambda kv: str(kv[0])))
-        return CheckResult("freshness", False, f"at step {step} {sum(wrong.values())} of {total} rollouts were "
-                                               f"generated {named}; the learner synced adapter version {synced!r}",
-                           {"rollouts_wrong_version": float(sum(wrong.values()))})
+        def label(v):
+            return "no adapter (the bare base)" if v is None else f"adapter version {v!r}"
+
+        kinds = sorted(wrong.items(), key=lambda kv: str(kv[0]))
+        named = label(kinds[0][0]) if len(kinds) == 1 else \
+            "another adapter (" + ", ".join(f"{n} with {label(v)}" for v, n in kinds) + ")"
+        return CheckResult("freshness", False, f"at step {step}, {sum(wrong.values())} of {total} rollouts were "
+                                               f"generated with {named}; the learner synced adapter version "
+                                               f"{synced!r}", {"rollouts_wrong_version": float(sum(wrong.values()))})
     return CheckResult("freshness", True, metrics={"rollouts_checked": float(total)})
 
 
