@@ -136,6 +136,16 @@ def _locate(manager, vllm_name: str):
     return None
 
 
+def check_complete(tensors: dict) -> None:
+    """Refuse a push (``{saved-adapter key: factor}``) that sends nothing, or a LoRA layer without both halves."""
+    if not tensors:
+        raise ValueError("LoRA push: the stream sent no adapter factor.")
+    halves = collections.Counter(k.rsplit(".", 2)[0] for k in tensors)
+    unpaired = sorted(m for m, n in halves.items() if n != 2)
+    if unpaired:
+        raise ValueError(f"LoRA push: {', '.join(unpaired[:5])} sent without both lora_A and lora_B.")
+
+
 @dataclass
 class Push:
     """One LoRA version pushed to the engine."""
@@ -234,12 +244,7 @@ class VLLMLoraStream:
             raise ValueError(f"LoRA push: the engine has no LoRA layer for {', '.join(problems[:5])}{more} (its LoRA "
                              f"modules: {sorted(manager.modules)[:8]}…); start it with the run's target modules "
                              "(LoraEngineSpec).")
-        if not tensors:
-            raise ValueError("LoRA push: the stream sent no adapter factor.")
-        halves = collections.Counter(k.rsplit(".", 2)[0] for k in tensors)
-        unpaired = sorted(m for m, n in halves.items() if n != 2)
-        if unpaired:  # refused before the previous version is dropped: it keeps serving
-            raise ValueError(f"LoRA push: {', '.join(unpaired[:5])} sent without both lora_A and lora_B.")
+        check_complete(tensors)  # refused before the previous version is dropped: it keeps serving
         ranks = [t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight")]
         rank = max(ranks, default=self.spec.rank)
         # lora_alpha = r and no rsLoRA: scaling exactly 1, B is served as sent (the stream folded s into it)

@@ -122,7 +122,7 @@ class VLLMServerLoraStream:
     def push(self, named, version=None):
         from safetensors.torch import save_file
 
-        from .vllm_lora import peft_to_vllm_name
+        from .vllm_lora import check_complete, peft_to_vllm_name
 
         tensors, sent = {}, {}
         for name, tensor in named:
@@ -133,12 +133,7 @@ class VLLMServerLoraStream:
                                  "the factors in the server's dtype (start it with --dtype <served dtype>).")
             sent[name] = tensor.detach().to("cpu", copy=True)
             tensors[peft_to_vllm_name(name, self.spec.adapter).removeprefix("base_model.model.")] = sent[name]
-        if not tensors:
-            raise ValueError("LoRA push: the stream sent no adapter factor.")
-        halves = collections.Counter(k.rsplit(".", 2)[0] for k in tensors)
-        unpaired = sorted(m for m, n in halves.items() if n != 2)
-        if unpaired:  # refused before anything changes on the server: the previous version keeps serving
-            raise ValueError(f"LoRA push: {', '.join(unpaired[:5])} sent without both lora_A and lora_B.")
+        check_complete(tensors)  # refused before anything changes on the server: the previous version keeps serving
         rank = max(t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight"))
         targets = sorted({k.rsplit(".", 3)[0].rsplit(".", 1)[-1] for k in tensors})
         self.push_count += 1
