@@ -168,7 +168,11 @@ def record_duet(trainer, record):
         if last is not None:
             record["duet"].append({"counts": last["counts"], "global": last["global"], "local": last["local"],
                                    "start": last["start"], "stop": last["stop"],
-                                   "mask_rows": out["completion_mask"].sum(1).gt(0).int().tolist()})
+                                   "mask_rows": out["completion_mask"].sum(1).gt(0).int().tolist(),
+                                   # what each row generated: greedy decoding of differently padded batches (one
+                                   # process vs a rank's half) may pick another token at a near tie on some CPUs
+                                   "completions": [ids[:n] for ids, n in zip(out["completion_ids"].tolist(),
+                                                                             out["completion_mask"].sum(1).tolist())]})
         return out
 
     duet.adjust_batch = adjust_batch
