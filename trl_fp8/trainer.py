@@ -101,6 +101,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         with _trl.engine_context(self.sampling):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         trackers.attach(self)  # W&B / trackio: a resumed session continues the same run
+        self._guard_4bit_cpu_repack()
         self.capabilities = {}
         layout = distributed.detect(self)  # DeepSpeed/FSDP from args, an accelerate config or the trainer itself
         for cls in CAPABILITIES:  # set-up order is list order
@@ -113,6 +114,21 @@ class GRPOTrainer(_TRLGRPOTrainer):
         metrics_jsonl = getattr(self.args, "metrics_jsonl", None)
         if metrics_jsonl:
             self.add_callback(MetricsJsonlCallback(metrics_jsonl))
+
+    def _guard_4bit_cpu_repack(self) -> None:
+        """Every 4-bit policy (and reference model), whatever samples it: bitsandbytes' in-place CPU repack switched
+        off (on an AVX512-BF16 CPU an eval-mode forward, e.g. the logprob check's reference, would repack the weights
+        for its inference kernel; training through them afterwards fails on a bias or silently loses the gradient
+        through the base), and undone where a forward before training already did it."""
+        from . import fourbit
+
+        repacked = fourbit.guard_cpu_repack(self.accelerator.unwrap_model(self.model))
+        if self.ref_model is not None:
+            repacked += fourbit.guard_cpu_repack(self.accelerator.unwrap_model(self.ref_model))
+        if repacked:
+            logger.warning("%d 4-bit weights had been repacked in place for bitsandbytes' CPU inference kernel (an "
+                           "eval-mode forward before training); converted back before training (the repack rounded "
+                           "their block scales to bf16).", repacked)
 
     # -- composition --------------------------------------------------------------------------------------------
     def capability(self, name: str) -> Capability | None:

@@ -84,6 +84,24 @@ def test_mxfp8_with_fast_qlora_or_a_4bit_policy_is_refused(tmp_path, demo_dir):
         _trainer(tmp_path, demo_dir, fast_qlora="off", mxfp8=True)
 
 
+def test_every_4bit_policy_is_guarded_against_the_cpu_repack_whatever_samples_it(tmp_path, demo_dir):
+    """fast QLoRA off: the trainer still switches off bitsandbytes' in-place CPU repack on every 4-bit layer, so an
+    eval-mode no-grad forward after set-up (the logprob check's reference on a vLLM run, a user's evaluation) leaves
+    the weights trainable; on an AVX512-BF16 CPU the step after it failed ('a view of a leaf Variable that requires
+    grad is being used in an in-place operation', the demo model's q/k/v biases)."""
+    trainer = _trainer(tmp_path, demo_dir, fast_qlora="off", max_steps=1)
+    layers = [m for m in trainer.model.modules() if fourbit.is_4bit(m)]
+    assert layers and all(m.support_avx512bf16_for_cpu is False for m in layers)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 4, 5, 6]]))
+    model.train()
+    assert not any(fourbit._packed_for_cpu(m) for m in layers)
+    trainer.train()
+    assert _history(trainer, "loss")
+
+
 def test_on_without_a_4bit_base_refuses_and_auto_steps_aside(tmp_path, demo_dir):
     with pytest.raises(ValueError, match="fast_qlora='on': the policy has no 4-bit layers"):
         _trainer(tmp_path, demo_dir, four_bit=False)

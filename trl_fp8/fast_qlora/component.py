@@ -176,13 +176,6 @@ class FastQLoRA(Capability):
         self.trainer = trainer
         self.model = model
         self.layers = dict(layers)
-        self.repacked = fourbit.guard_cpu_repack(model)  # the bitsandbytes CPU trap
-        if trainer.ref_model is not None:
-            fourbit.guard_cpu_repack(trainer.accelerator.unwrap_model(trainer.ref_model))
-        if self.repacked:
-            logger.warning("fast QLoRA: %d 4-bit weights had been repacked in place for bitsandbytes' CPU inference "
-                           "kernel (an eval-mode forward); converted back before training (the repack rounded their "
-                           "block scales to bf16).", self.repacked)
         first_base = layers[0][1].get_base_layer()
         self.device = first_base.weight.device
         self.cache_dtype = resolve_cache_dtype(args.qlora_cache_dtype, fourbit.compute_dtype(first_base), self.device)
