@@ -7,6 +7,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.pop("TRL_FP8_TIME_BUDGET", None)  # a budget in the caller's environment would reach every config
+# what the caller's environment says of vLLM's log level, before importing trl sets it to ERROR in this process (trl's
+# _compat does): a `trl-fp8 ...` child started by a test gets the caller's setting, as one started from a shell does
+os.environ.setdefault("TRL_FP8_TEST_CALLER_VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", ""))
 # Fair Cast's compiled kernels (and the converted SmolLM2, ~0.5 GB) go to a private temporary cache, never the user's
 # home, removed when the test session ends.
 if "TRL_FP8_CACHE" not in os.environ:
