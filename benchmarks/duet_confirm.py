@@ -226,8 +226,10 @@ def _starts(jsonl: str) -> list[dict]:
 
 
 def _plot(curves: dict, path: str) -> None:
-    duet_race.plot_curves(curves, ARMS, SEEDS, TARGET, "DUET confirmatory race, seeds 3-5 (dotted: run in progress)",
-                          path, DOCS_PLOT if path == PLOT else None)
+    title = "DUET confirmatory race, seeds 3-5"
+    if not all(c["done"] for c in curves.values()):
+        title += " (dotted: run in progress)"
+    duet_race.plot_curves(curves, ARMS, SEEDS, TARGET, title, path, DOCS_PLOT if path == PLOT else None)
 
 
 def main() -> None:
