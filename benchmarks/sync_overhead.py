@@ -50,6 +50,8 @@ class _CheckClock:
     def __init__(self):
         self.seconds = 0.0
         self.steps: list[tuple[float, float]] = []
+        self.by_entry: dict[str, float] = {}  # seconds inside each entry point (outermost calls), this step so far
+        self.step_entries: list[dict[str, float]] = []  # per step
         self._patched = []
         self._depth = 0  # nested entry points (one calling another) are counted once
 
@@ -59,6 +61,8 @@ class _CheckClock:
         original = getattr(owner, name)
         clock = self
 
+        label = f"{getattr(owner, '__name__', owner)}.{name}"
+
         def timed(*args, **kwargs):
             if clock._depth:
                 return original(*args, **kwargs)
@@ -67,7 +71,9 @@ class _CheckClock:
             try:
                 return original(*args, **kwargs)
             finally:
-                clock.seconds += time.perf_counter() - start
+                spent = time.perf_counter() - start
+                clock.seconds += spent
+                clock.by_entry[label] = clock.by_entry.get(label, 0.0) + spent
                 clock._depth -= 1
 
         setattr(owner, name, timed)
@@ -87,11 +93,13 @@ class _CheckClock:
 
         class StepShare(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
+                clock.by_entry = {}
                 self._start = (clock.seconds, time.perf_counter())
 
             def on_step_end(self, args, state, control, **kwargs):
                 checks, start = self._start
                 clock.steps.append((clock.seconds - checks, time.perf_counter() - start))
+                clock.step_entries.append(clock.by_entry)
 
         return StepShare()
 
@@ -128,9 +136,10 @@ def _workload(model: str, bf16: bool, cap: int):
 
 
 def one_run(checks: str, steps: int, workdir: str, vllm: bool, model: str = DEMO, bf16: bool = False,
-            cap: int = 32) -> tuple[float, float, float]:
+            cap: int = 32, breakdown: dict | None = None) -> tuple[float, float, float]:
     """(median step seconds after the first; the share of those steps' time spent inside the checks; the same share
-    over the steps after the logprob band's calibration)."""
+    over the steps after the logprob band's calibration). ``breakdown``: filled with each entry point's share of the
+    steps after calibration."""
     import trl_fp8
 
     model_id, rewards, dataset, shape = _workload(model, bf16, cap)
@@ -166,8 +175,13 @@ def one_run(checks: str, steps: int, workdir: str, vllm: bool, model: str = DEMO
 
     from trl_fp8.sync_checks.checks import LOGPROB_CALIBRATION
 
-    return (statistics.median(timer.times[1:]), share(clock.steps[1:]),
-            share(clock.steps[1 + LOGPROB_CALIBRATION:]))
+    steady = slice(1 + LOGPROB_CALIBRATION, None)
+    if breakdown is not None and clock.steps[steady]:
+        total = sum(step for _, step in clock.steps[steady])
+        for entries in clock.step_entries[steady]:
+            for label, spent in entries.items():
+                breakdown[label] = breakdown.get(label, 0.0) + spent / total
+    return statistics.median(timer.times[1:]), share(clock.steps[1:]), share(clock.steps[steady])
 
 
 def main() -> None:
@@ -192,15 +206,17 @@ def main() -> None:
         parser.error(str(err))
 
     ratios, shares, whole = [], [], []
+    parts: list[dict] = []  # per checked run: entry point -> its share of the steps after calibration
     with tempfile.TemporaryDirectory() as workdir:
         run = dict(vllm=args.vllm, model=args.model, bf16=args.bf16, cap=args.cap)
         one_run("off", 3, workdir, **run)  # warm caches and imports before anything is timed
         for i in range(args.pairs):
+            parts.append({})
             if i % 2 == 0:
                 base, _, _ = one_run("off", args.steps, workdir, **run)
-                ours, share, steady = one_run(args.checks, args.steps, workdir, **run)
+                ours, share, steady = one_run(args.checks, args.steps, workdir, breakdown=parts[-1], **run)
             else:
-                ours, share, steady = one_run(args.checks, args.steps, workdir, **run)
+                ours, share, steady = one_run(args.checks, args.steps, workdir, breakdown=parts[-1], **run)
                 base, _, _ = one_run("off", args.steps, workdir, **run)
             ratios.append(ours / base)
             shares.append(steady)
@@ -216,6 +232,9 @@ def main() -> None:
           f"median {statistics.median(ratios):.3f} (end to end, noisy: drift between runs)")
     print(f"time inside the checks, whole run after the first step (calibration included): median "
           f"{100 * statistics.median(whole):.2f}%, range {100 * min(whole):.2f}-{100 * max(whole):.2f}%")
+    labels = sorted({k for p in parts for k in p}, key=lambda k: -statistics.median(p.get(k, 0.0) for p in parts))
+    print("by entry point, after calibration (median over checked runs, % of the steps): " + ", ".join(
+        f"{k} {100 * statistics.median(p.get(k, 0.0) for p in parts):.2f}" for k in labels))
     print(f"time inside the checks after calibration, per checked run: {', '.join(f'{100 * r:.2f}%' for r in shares)}"
           f"; range {100 * min(shares):.2f}-{100 * max(shares):.2f}% of the steps")
     print(f"sync_check_share_pct: {100 * statistics.median(shares):.2f}")

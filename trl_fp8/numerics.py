@@ -12,6 +12,7 @@ sampler must compute with. This module imports nothing from trl_fp8: every packa
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 
@@ -33,10 +34,18 @@ def torch_dtype(name) -> torch.dtype:
     """``"bfloat16"`` / ``"torch.bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``; a clear error otherwise."""
     if isinstance(name, torch.dtype):
         return name
+    known = _DTYPES.get(name) if isinstance(name, str) else None  # the checks ask per tensor and per sync
+    if known is not None:
+        return known
     value = getattr(torch, dtype_name(name), None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype name (e.g. 'bfloat16', 'float16', 'float32').")
+    if isinstance(name, str):
+        _DTYPES[name] = value
     return value
+
+
+_DTYPES: dict[str, torch.dtype] = {}  # names already resolved by torch_dtype
 
 
 @dataclass(frozen=True)
@@ -67,8 +76,14 @@ class TensorSpec:
 
 
 def dense(dtype, cast: str = "none", excluded: bool = False) -> TensorSpec:
-    """The spec of a plain (unquantized) tensor stored in ``dtype``."""
-    return TensorSpec(dtype=dtype_name(dtype), cast=cast, excluded=excluded)
+    """The spec of a plain (unquantized) tensor stored in ``dtype`` (one shared frozen spec per combination: a
+    sampler's recipe is rebuilt per weight version, a spec per tensor)."""
+    return _dense(dtype_name(dtype), cast, excluded)
+
+
+@functools.lru_cache(maxsize=256)
+def _dense(dtype: str, cast: str, excluded: bool) -> TensorSpec:
+    return TensorSpec(dtype=dtype, cast=cast, excluded=excluded)
 
 
 def mxfp8(dtype, scale_rounding: str = "rceil", kernel: str = "emulated") -> TensorSpec:
@@ -146,11 +161,14 @@ def cast_floating(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype)
 
 @contextlib.contextmanager
 def sampler_precision(model: torch.nn.Module, device_type: str):
-    """Autocast off and ``model`` in eval mode for the block (its mode restored after)."""
+    """Autocast off and ``model`` in eval mode for the block (its mode restored after; a model in eval mode, as a
+    served twin always is, is left as it is: setting a mode walks every module)."""
     was_training = model.training
-    model.eval()
+    if was_training:
+        model.eval()
     try:
         with torch.autocast(device_type, enabled=False):
             yield model
     finally:
-        model.train(was_training)
+        if was_training:
+            model.train(True)

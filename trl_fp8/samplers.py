@@ -154,9 +154,13 @@ class TransformersSampler(Sampler):
         return self._params[name].data
 
     def read_effective(self, name):
-        spec = self.recipe().get(name) if self.describe is not None else None
-        tensor = self.read(name)
-        return numerics.quantize(tensor, spec) if spec is not None else tensor
+        tensor = self._params[name].data
+        if self.describe is None:
+            return tensor
+        spec = self.recipe().get(name)
+        if spec is None or (spec.format == "dense" and numerics.torch_dtype(spec.dtype) == tensor.dtype):
+            return tensor  # what quantize returns for it, without the call (the checks ask per tensor, per sync)
+        return numerics.quantize(tensor, spec)
 
     def recipe(self):
         # Read from the modules once per weight version (a sync), not once per tensor: quant_parity asks per tensor.

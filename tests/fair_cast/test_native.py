@@ -374,6 +374,10 @@ class _RecordingLib:
     def trl_fp8_ef_bf16(self, *args):
         self.calls.append(("ef", args))
 
+    def trl_fp8_first_unequal(self, *args):
+        self.calls.append(("compare", args))
+        return -1
+
 
 def _src():
     return torch.randn(4, 6)
@@ -731,3 +735,51 @@ def test_no_module_of_the_package_exceeds_600_lines():
                 if count > 600:
                     long.append(f"{os.path.relpath(os.path.join(folder, name), root)}: {count}")
     assert long == []
+
+
+def test_first_unequal_compares_bytes_and_fp32_against_widened_bf16():
+    _need_cc()
+    lib = _load_quietly()
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(5000, generator=g), torch.tensor(SPECIALS)])
+    half = x.bfloat16()
+    widened = half.float()  # exactly what the bf16 values are, in fp32
+    ints = torch.arange(33, dtype=torch.int64)
+    pairs = [(widened, half), (x, x.clone()), (half, half.clone()), (ints, ints.clone()),
+             (torch.empty(0), torch.empty(0, dtype=torch.bfloat16))]
+    assert _native.first_unequal(lib, pairs) == -1
+    assert _native.first_unequal(lib, []) == -1
+    for index, (a, b) in enumerate(pairs[:4]):
+        for position in (0, a.numel() // 2, a.numel() - 1):
+            changed = a.clone()
+            changed.view(torch.uint8)[position * a.element_size()] ^= 1  # one bit of one element
+            trial = list(pairs)
+            trial[index] = (changed, b)
+            assert _native.first_unequal(lib, trial) == index
+    zero = torch.zeros(3)
+    assert _native.first_unequal(lib, [(zero, (-zero).bfloat16())]) == 0  # -0 is not +0
+    payload = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)  # a NaN bf16 cannot hold
+    assert _native.first_unequal(lib, [(payload, payload.bfloat16())]) == 0
+
+
+FIRST_UNEQUAL_BAD = {
+    "strided": ((torch.randn(4, 6).t(), torch.randn(4, 6).t().contiguous()), "pair 0: a must be a plain contiguous"),
+    "meta": ((torch.empty(4, device="meta"), torch.empty(4)), "pair 0: a must be a plain contiguous CPU tensor"),
+    "subclass": ((torch.randn(4), torch.randn(4).as_subclass(type("Wrapped", (torch.Tensor,), {}))),
+                 "pair 0: b must be a plain"),
+    "numel": ((torch.randn(4), torch.randn(5)), "pair 0: 4 elements against 5"),
+    "dtypes": ((torch.randn(4).half(), torch.randn(4)), "torch.float16 against torch.float32"),
+    "narrow first": ((torch.randn(4).bfloat16(), torch.randn(4)), "torch.bfloat16 against torch.float32"),
+    "conjugate": ((torch.randn(4, dtype=torch.complex64).conj(), torch.randn(4, dtype=torch.complex64)),
+                  "lazily conjugated"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIRST_UNEQUAL_BAD))
+def test_first_unequal_rejects_tensors_before_the_call(case):
+    pair, match = FIRST_UNEQUAL_BAD[case]
+    lib = _RecordingLib()
+    with pytest.raises(ValueError, match=match):
+        _native.first_unequal(lib, [(torch.zeros(2), torch.zeros(2)), pair][1:])
+    assert lib.calls == []
+    assert _native.first_unequal(lib, [(torch.zeros(2), torch.zeros(2))]) == -1 and len(lib.calls) == 1

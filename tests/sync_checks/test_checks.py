@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trl_fp8.sync_checks import checks as C
+from trl_fp8.sync_checks import compare
 from trl_fp8.numerics import dense
 
 
@@ -401,3 +402,78 @@ def test_the_sums_of_squares_add_over_ranks():
         assert halves[0][key] + halves[1][key] == pytest.approx(whole[key])
     d = (learner - sampler).abs()[mask].double()
     assert whole["sq_sum"] == pytest.approx((d * d).sum().item())
+
+
+def _stats_by_hand(learner, sampler, mask, numerics=None, numerics_mask=None):
+    """logprob_stats computed token by token in Python floats: the definition the tensor code must match."""
+    rows = []
+    for i in range(learner.size(0)):
+        row = [(float(learner[i, t]) - float(sampler[i, t]), t) for t in range(learner.size(1)) if mask[i, t]]
+        rows.append(row)
+    flat = [(abs(s), s, i, t) for i, row in enumerate(rows) for s, t in row]
+    gaps = [g for g, _, _, _ in flat]
+    ratios = [math.exp(s) for _, s, _, _ in flat]
+    seqs = [math.exp(sum(s for s, _ in row)) for row in rows if row]
+    out = {"sum": sum(gaps), "sq_sum": sum(g * g for g in gaps), "count": len(gaps), "max": max(gaps),
+           "ratio_sum": sum(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios), "seqs": len(seqs),
+           "seq_ratio_sum": sum(seqs), "seq_ratio_min": min(seqs), "seq_ratio_max": max(seqs)}
+    masked_positions = [(i, t) for i in range(mask.size(0)) for t in range(mask.size(1)) if mask[i, t]]
+    first_max = gaps.index(max(gaps))  # the flat (row-major, masked) index of the first largest gap
+    out["where"] = first_max
+    assert masked_positions[first_max] == (flat[first_max][2], flat[first_max][3])
+    if numerics is not None:
+        covered = [(i, t) for i, t in masked_positions if numerics_mask is None or numerics_mask[i, t]]
+        out["explained_sum"] = sum(abs(float(learner[i, t]) - float(numerics[i, t])) for i, t in covered)
+        out["path_sum"] = sum(abs(float(numerics[i, t]) - float(sampler[i, t])) for i, t in covered)
+        judged = [abs(float(learner[i, t]) - float(sampler[i, t])) for i, t in covered]
+        out.update(judged_sum=sum(judged), judged_sq_sum=sum(j * j for j in judged), covered=len(covered),
+                   numerics=1, partial=int(numerics_mask is not None))
+    return out, gaps
+
+
+@pytest.mark.parametrize("with_numerics", ["none", "whole", "rows"])
+def test_logprob_stats_match_a_token_by_token_count(with_numerics):
+    g = torch.Generator().manual_seed(3)
+    learner = -3 * torch.rand(6, 9, generator=g)
+    sampler = learner + 0.05 * torch.randn(6, 9, generator=g)
+    sampler[2, 4] = learner[2, 4] - 0.9  # one large gap
+    mask = torch.rand(6, 9, generator=g) > 0.25
+    mask[4] = False  # a row with no token
+    numerics = learner + 0.01 * torch.randn(6, 9, generator=g) if with_numerics != "none" else None
+    numerics_mask = None
+    if with_numerics == "rows":
+        numerics_mask = torch.zeros_like(mask)
+        numerics_mask[::3] = mask[::3]
+    stats = C.logprob_stats(learner, sampler, mask, numerics, numerics_mask)
+    expected, gaps = _stats_by_hand(learner, sampler, mask, numerics, numerics_mask)
+    for key, value in expected.items():
+        assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert stats["hist"] == C.delta_histogram(torch.tensor(gaps))
+    assert sum(stats["hist"]) == stats["count"] == int(mask.sum())
+    empty = C.logprob_stats(learner, sampler, torch.zeros_like(mask))
+    assert empty["count"] == 0 and empty["hist"] == [0.0] * C.HIST_BINS and empty["where"] is None
+
+
+def test_freshness_and_quant_parity_name_the_first_differing_tensor(monkeypatch, compare_path):
+    monkeypatch.setattr(compare, "COMPARE_GROUP_ELEMENTS", 64)
+    g = torch.Generator().manual_seed(0)
+    learner = {f"w{i}": torch.randn(n, generator=g).bfloat16().float() for i, n in enumerate((8, 30, 100, 12))}
+    served = {n: t.bfloat16() for n, t in learner.items()}
+    sent = {n: t.clone() for n, t in served.items()}
+    assert C.freshness(3, 3, sent, served.__getitem__, {}).passed
+    r = C.quant_parity(list(learner), learner.__getitem__, served.__getitem__)
+    assert r.passed and r.metrics["compared"] == 4
+    stale = dict(served, w2=served["w2"].clone())
+    stale["w2"][50] += 1
+    r = C.freshness(3, 3, sent, stale.__getitem__, {})
+    assert not r.passed and "'w2' is not what the sync sent" in r.message and "1 of 100 elements" in r.message
+    r = C.quant_parity(list(learner), learner.__getitem__, stale.__getitem__)
+    assert not r.passed and "'w2' differs" in r.message and "1 of 100 elements" in r.message
+    wrong_dtype = dict(served, w3=served["w3"].double())  # wider than the reference: no exact widening
+    r = C.quant_parity(list(learner), learner.__getitem__, wrong_dtype.__getitem__)
+    assert not r.passed and "'w3': learner reference torch.float32" in r.message
+    both = dict(stale, w3=served["w3"].double())  # an earlier tensor differs: it is named, not the later dtype
+    r = C.quant_parity(list(learner), learner.__getitem__, both.__getitem__)
+    assert not r.passed and "'w2' differs" in r.message
+    r = C.freshness(3, 3, dict(sent, w1=sent["w1"].view(5, 6)), served.__getitem__, {})
+    assert not r.passed and "'w1'" in r.message and "shape (5, 6) expected, (30,) found" in r.message

@@ -78,3 +78,36 @@ def test_tap_with_rows_other_than_the_completions_refuses_with_a_value_error():
     tap(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 5))
     with pytest.raises(ValueError, match="recorded 2 rows for 3 completions"):
         tap.table([[1], [1], [1]])
+
+
+def test_tap_as_a_forward_hook_records_what_the_processor_path_records(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    tables, outs = [], []
+    for how in ("hook", "hook reduced every step", "processor"):
+        tap = SampledLogprobTap(temperature=0.7)
+        if how == "hook reduced every step":
+            tap.BUFFER_BYTES = 1
+        hooked = how.startswith("hook")
+        torch.manual_seed(0)
+        handle = model.register_forward_hook(tap.forward_hook, with_kwargs=True) if hooked else None
+        with torch.no_grad():
+            outs.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                                       temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=7, eos_token_id=None,
+                                       pad_token_id=0,
+                                       logits_processor=LogitsProcessorList([] if hooked else [tap])))
+        if handle is not None:
+            handle.remove()
+        completions = outs[-1][:, 4:].tolist()
+        completions[1] = completions[1][:3]  # as if row 1 had stopped at its EOS after 3 tokens
+        tables.append(tap.table(completions))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(tables[1], tables[0], rtol=0, atol=0)
+    torch.testing.assert_close(tables[2], tables[0], rtol=0, atol=1e-6)
+    with torch.no_grad():
+        logits = model(outs[0]).logits[:, 3:-1].float() / 0.7
+    expected = torch.log_softmax(logits, -1).gather(2, outs[0][:, 4:, None]).squeeze(2)
+    expected[1, 3:] = 0.0
+    torch.testing.assert_close(tables[0], expected, rtol=0, atol=1e-5)

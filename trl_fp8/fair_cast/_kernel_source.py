@@ -1,6 +1,7 @@
 """The C source of the fused CPU export kernels (stochastic rounding, error feedback) that
-:mod:`trl_fp8.fair_cast._native` compiles on first use; kept apart from the build and load logic. The source is
-part of the library's cache key: any change here builds a new library."""
+:mod:`trl_fp8.fair_cast._native` compiles on first use, and of the bitwise comparison the weight-sync checks use on
+CPU tensors; kept apart from the build and load logic. The source is part of the library's cache key: any change here
+builds a new library."""
 
 C_SOURCE = r"""
 #include <stdint.h>
@@ -100,5 +101,28 @@ void trl_fp8_ef_bf16(const float *src, float *res, uint16_t *dst, int64_t n, int
         uint16_t passed = (bw & 0x007FFFFFU) ? (uint16_t)0x7FC0U : (uint16_t)(bw >> 16);
         dst[i] = finite ? q : passed;
     }
+}
+
+/* The index of the first of count pairs whose memory differs, or -1. Pair i is a[i], b[i] (addresses) and n[i]:
+   kind[i] 0 compares n[i] bytes as they are; kind[i] 1 compares n[i] fp32 words at a[i] with the n[i] bf16 words at
+   b[i] widened exactly (b << 16: fp32 bits equal to a bf16 value's), without a widened copy. */
+int64_t trl_fp8_first_unequal(int64_t count, const uint64_t *a, const uint64_t *b, const int64_t *n,
+                              const int32_t *kind) {
+    for (int64_t i = 0; i < count; ++i) {
+        if (kind[i] == 0) {
+            if (n[i] > 0 && memcmp((const void *)(uintptr_t)a[i], (const void *)(uintptr_t)b[i], (size_t)n[i]))
+                return i;
+            continue;
+        }
+        const uint32_t *x = (const uint32_t *)(uintptr_t)a[i];
+        const uint16_t *y = (const uint16_t *)(uintptr_t)b[i];
+        uint32_t diff = 0;
+        #pragma omp simd reduction(|:diff)
+        for (int64_t k = 0; k < n[i]; ++k)
+            diff |= x[k] ^ ((uint32_t)y[k] << 16);
+        if (diff)
+            return i;
+    }
+    return -1;
 }
 """

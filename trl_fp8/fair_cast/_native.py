@@ -36,7 +36,9 @@ The cache folder is ``$TRL_FP8_CACHE``, else ``$XDG_CACHE_HOME/trl_fp8``, else `
   libraries in ``probe_<hash>.json``, named by what identifies the toolchain and CPU without running anything
   (the compiler's resolved path, size and mtime, the CPU lines of ``/proc/cpuinfo``), so a later process with the
   library cached runs no compiler at all.
-- **Calls.** :func:`sr_bf16` and :func:`ef_bf16` check every tensor (type, dtype, shape, CPU device,
+- **Comparison.** :func:`first_unequal` compares many CPU tensor pairs bit for bit in one call (the weight-sync
+  checks' ``freshness`` and ``quant_parity``): bytes against bytes, or fp32 against bf16 widened, with no copy.
+- **Calls.** :func:`sr_bf16`, :func:`ef_bf16` and :func:`first_unequal` check every tensor (type, dtype, shape, CPU device,
   contiguity) and the scalar arguments before handing raw pointers to the library, and raise a
   ``TypeError``/``ValueError`` naming the argument otherwise.
 """
@@ -370,6 +372,9 @@ def _open(lib_path: Path | str):
     lib.trl_fp8_sr_bf16.restype = None
     lib.trl_fp8_ef_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.trl_fp8_ef_bf16.restype = None
+    lib.trl_fp8_first_unequal.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_void_p]
+    lib.trl_fp8_first_unequal.restype = ctypes.c_int64
     return lib
 
 
@@ -526,3 +531,41 @@ def ef_bf16(lib, src: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | 
     _check_nthreads(nthreads)
     lib.trl_fp8_ef_bf16(src.data_ptr(), residual.data_ptr(), out.data_ptr(), src.numel(), nthreads)
     return out
+
+
+_HOST_TENSORS = (torch.Tensor, torch.nn.Parameter)  # plain tensors: data_ptr() is their own strided memory
+
+
+def _comparable(name: str, t) -> None:
+    if type(t) not in _HOST_TENSORS or not t.is_cpu or t.layout != torch.strided or not t.is_contiguous():
+        raise ValueError(f"{name} must be a plain contiguous CPU tensor, got {type(t).__name__} on "
+                         f"{getattr(t, 'device', '?')}")
+    if t.dtype.is_complex and (t.is_conj() or t.is_neg()):
+        raise ValueError(f"{name} is a lazily conjugated or negated view: its bits are not its values")
+
+
+def first_unequal(lib, pairs) -> int:
+    """The index of the first pair ``(a, b)`` whose bits differ, or -1, in one call into ``lib``: ``a`` and ``b`` of
+    one dtype compare their bytes; ``a`` float32 and ``b`` bfloat16 compare ``a`` with ``b`` widened (exact). Every
+    tensor is checked first (a plain contiguous CPU tensor; the same number of elements; one of those two dtype
+    combinations): anything else raises ``ValueError`` before the library sees a pointer. The caller keeps the
+    tensors alive for the call (``pairs`` holds them)."""
+    count = len(pairs)
+    if count == 0:
+        return -1
+    addresses_a, addresses_b = (ctypes.c_uint64 * count)(), (ctypes.c_uint64 * count)()
+    sizes, kinds = (ctypes.c_int64 * count)(), (ctypes.c_int32 * count)()
+    for i, (a, b) in enumerate(pairs):
+        _comparable(f"pair {i}: a", a)
+        _comparable(f"pair {i}: b", b)
+        n = a.numel()
+        if b.numel() != n:
+            raise ValueError(f"pair {i}: {n} elements against {b.numel()}")
+        if a.dtype == b.dtype:
+            sizes[i], kinds[i] = n * a.element_size(), 0
+        elif a.dtype == torch.float32 and b.dtype == torch.bfloat16:
+            sizes[i], kinds[i] = n, 1
+        else:
+            raise ValueError(f"pair {i}: {a.dtype} against {b.dtype} (one dtype, or float32 against bfloat16)")
+        addresses_a[i], addresses_b[i] = a.data_ptr(), b.data_ptr()
+    return int(lib.trl_fp8_first_unequal(count, addresses_a, addresses_b, sizes, kinds))

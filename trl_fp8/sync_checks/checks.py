@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compare import PairComparer, bitwise_equal, describe_diff, same_device
+
 CHECKS = (
     "recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement", "differential_oracle",
     "cache_hygiene",
@@ -35,7 +37,7 @@ LOGPROB_GROSS_Z = 3.0  # ... when even the mean minus this many standard errors 
 LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
 LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
 LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (decoding, kernels) may reach this multiple of its calibration
-LOGPROB_REFERENCE_EVERY = 8  # after calibration, ρ is measured on every 8th evaluation; between, its terms are held
+LOGPROB_REFERENCE_EVERY = 16  # after calibration, ρ is measured on every 16th evaluation; between, its terms are held
 
 
 class WeightSyncError(RuntimeError):
@@ -74,25 +76,6 @@ def resolve_checks(value) -> tuple[str, ...]:
             "(or one of 'default', 'all', 'off')."
         )
     return tuple(c for c in CHECKS if c in names)
-
-
-def _describe_diff(expected: torch.Tensor, actual: torch.Tensor) -> str:
-    e, a = expected.float(), actual.float()
-    differ = ~((e == a) | (torch.isnan(e) & torch.isnan(a)))
-    n = int(differ.sum())
-    delta = (e - a).abs()[differ]
-    worst = delta.max().item() if delta.numel() else float("nan")
-    return f"{n} of {e.numel()} elements differ (max |Δ| {worst:.4g})"
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit (NaNs with equal payloads count as equal)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.is_floating_point:
-        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[a.element_size()]
-        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
-    return torch.equal(a, b)
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,16 +147,21 @@ def freshness(step: int, version, sent: dict[str, torch.Tensor], read, alias_rea
     if version is not None and str(version) != str(step):
         return CheckResult("freshness", False, f"the sampler serves weight version {version!r}, the learner is at "
                                                f"step {step}")
+    comparer = PairComparer()
     for name, tensor in sent.items():
         served = read(name)
-        expected = tensor.detach().to(device=served.device, dtype=served.dtype)
-        if not bitwise_equal(expected, served):
-            return CheckResult("freshness", False, f"'{name}' is not what the sync sent at step {step}: "
-                                                   f"{_describe_diff(expected, served)}")
+        expected = tensor if tensor.dtype == served.dtype and same_device(tensor, served) else \
+            tensor.detach().to(device=served.device, dtype=served.dtype)
+        if not comparer.add(name, expected, served):
+            break
+    if comparer.finish() is not None:
+        name, expected, served = comparer.mismatch
+        return CheckResult("freshness", False, f"'{name}' is not what the sync sent at step {step}: "
+                                               f"{describe_diff(expected, served)}")
     for alias, (effective, target) in alias_reads.items():
         if not bitwise_equal(target.to(effective.dtype), effective):
             return CheckResult("freshness", False, f"'{alias}' (tied) computes with a stale copy at step {step}: "
-                                                   f"{_describe_diff(target, effective)}")
+                                                   f"{describe_diff(target, effective)}")
     return CheckResult("freshness", True)
 
 
@@ -211,23 +199,27 @@ def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = 
     verified, to skip names whose reference *is* the sent tensor (Fair Cast's export): comparing them again would
     prove nothing new.
     """
-    compared = 0
+    compared, comparer = 0, PairComparer()
     for name in names:
         ref = reference(name)
         if sent is not None and sent.get(name) is ref:
             continue  # the learner's reference is the very tensor sent, and freshness compared it bitwise
-        compared += 1
         served = read(name)
-        if ref.device != served.device:
+        if not same_device(ref, served):
             ref = ref.to(served.device)
-        if ref.dtype != served.dtype and _widens(served.dtype, ref.dtype):
-            served = served.to(ref.dtype)  # exact: one cast of the served side instead of rounding the reference
-        if ref.shape != served.shape or ref.dtype != served.dtype:
+        # a narrower served tensor is widened (exact: one cast of the served side instead of rounding the reference)
+        if ref.dtype is not served.dtype and not _widens(served.dtype, ref.dtype) or ref.shape != served.shape:
+            if comparer.finish() is not None:  # a tensor compared before it differs: that one is reported first
+                break
             return CheckResult("quant_parity", False, f"'{name}': learner reference {ref.dtype} {tuple(ref.shape)}, "
                                                       f"sampler {served.dtype} {tuple(served.shape)}")
-        if not bitwise_equal(ref, served):
-            return CheckResult("quant_parity", False, f"'{name}' differs from the learner's quantizer output: "
-                                                      f"{_describe_diff(ref, served)}")
+        compared += 1
+        if not comparer.add(name, ref, served):
+            break
+    if comparer.finish() is not None:
+        name, ref, served = comparer.mismatch
+        return CheckResult("quant_parity", False, f"'{name}' differs from the learner's quantizer output: "
+                                                  f"{describe_diff(ref, served.to(ref.dtype))}")
     if not compared:
         return CheckResult("quant_parity", True, "every served tensor is the very tensor freshness compared; no "
                                                  "quantizer between them", applicable=False)
@@ -465,12 +457,24 @@ HIST_LOW, HIST_DECADES, HIST_PER_DECADE = 1e-5, 7, 50
 HIST_BINS = HIST_DECADES * HIST_PER_DECADE + 2  # + one below HIST_LOW, one at or above HIST_LOW × 10^HIST_DECADES
 
 
+_HIST_EDGES: dict = {}  # (device, dtype) -> the bins' lower edges HIST_LOW·10^(j/m), j = 0 … HIST_DECADES·m
+
+
+def _histogram_counts(deltas: torch.Tensor) -> torch.Tensor:
+    """The float64 counts of :func:`delta_histogram`, on ``deltas``' device."""
+    key = (deltas.device, deltas.dtype)
+    edges = _HIST_EDGES.get(key)
+    if edges is None:
+        exponents = torch.arange(HIST_BINS - 1, dtype=torch.float64) / HIST_PER_DECADE
+        edges = _HIST_EDGES[key] = (HIST_LOW * torch.pow(10.0, exponents)).to(device=deltas.device, dtype=deltas.dtype)
+    # the number of edges at or below each delta is its bin: 0 below HIST_LOW, HIST_BINS - 1 from the last edge up
+    bins = torch.bucketize(deltas.detach(), edges, right=True)
+    return torch.bincount(bins, minlength=HIST_BINS).double()
+
+
 def delta_histogram(deltas: torch.Tensor) -> list[float]:
     """Counts of ``deltas`` (>= 0) per bin: bin 0 below HIST_LOW, bin k for [HIST_LOW·10^((k−1)/m), ·10^(k/m))."""
-    d = deltas.detach().double().clamp_min(HIST_LOW / 10)
-    k = torch.floor(torch.log10(d / HIST_LOW) * HIST_PER_DECADE).long() + 1
-    k = k.clamp(0, HIST_BINS - 1).cpu()
-    return torch.bincount(k, minlength=HIST_BINS).double().tolist()
+    return _histogram_counts(deltas).tolist()
 
 
 def over_fraction(stats: dict, limit: float) -> float:
@@ -525,36 +529,41 @@ def logprob_stats(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask
     |learner − ρ|, |ρ − sampler| and |learner − sampler| sums (the last with its sum of squares). Sums, counts, minima and maxima, so that ranks combine them exactly
     (:data:`LOGPROB_STAT_OPS`)."""
     learner = learner_logps.float()
-    mask = mask.bool().to(learner.device)
-    signed = learner - sampler_logps.float().to(learner.device)
-    full = signed.abs()
-    diff = full[mask]
+    device = learner.device
+    mask = mask.bool().to(device)
+    sampler = sampler_logps.float().to(device)
+    signed = learner - sampler
     out = {"sum": 0.0, "sq_sum": 0.0, "count": 0, "max": 0.0, "explained_sum": 0.0, "path_sum": 0.0,
-           "judged_sum": 0.0, "judged_sq_sum": 0.0, "covered": 0, "numerics": 0, "partial": 0, "where": None, "ratio_sum": 0.0, "ratio_min": math.inf,
-           "ratio_max": -math.inf, "seq_ratio_sum": 0.0, "seq_ratio_min": math.inf, "seq_ratio_max": -math.inf,
-           "seqs": 0, "hist": [0.0] * HIST_BINS}
-    if diff.numel() == 0:
-        return out
+           "judged_sum": 0.0, "judged_sq_sum": 0.0, "covered": 0, "numerics": 0, "partial": 0, "where": None,
+           "ratio_sum": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf, "seq_ratio_sum": 0.0,
+           "seq_ratio_min": math.inf, "seq_ratio_max": -math.inf, "seqs": 0, "hist": [0.0] * HIST_BINS}
     wide = signed.double()
-    ratio = torch.exp(wide[mask])
-    seq = torch.exp((wide * mask).sum(dim=1)[mask.any(dim=1)])
-    d = diff.double()
+    masked = wide[mask]  # the masked tokens' signed gaps, row-major
+    count = masked.numel()
+    if count == 0:
+        return out
+    d = masked.abs()
+    ratio = masked.exp()
+    rows = torch.where(mask, wide, 0.0).sum(dim=1)[mask.any(dim=1)]
+    seq = rows.exp()
     ratio_min, ratio_max = torch.aminmax(ratio)
     seq_min, seq_max = torch.aminmax(seq)
-    scalars = [d.sum(), d.max(), torch.argmax(diff).double(), ratio.sum(), ratio_min, ratio_max, seq.sum(),
-               seq_min, seq_max, (d * d).sum()]
+    # a float32 gap widened is exact, so the largest and where it is are the float32 gaps'
+    largest, where = d.max(dim=0)  # the first largest
+    scalars = [d.sum(), largest, where.double(), ratio.sum(), ratio_min, ratio_max, seq.sum(), seq_min, seq_max,
+               d.dot(d)]
     if numerics_logps is not None:
-        covered = mask if numerics_mask is None else numerics_mask.bool().to(learner.device) & mask
-        reference = numerics_logps.float().to(learner.device)
-        explained = (learner - reference).abs()[covered].double()
-        path = (reference - sampler_logps.float().to(learner.device)).abs()[covered].double()
-        judged = full[covered].double()
-        scalars += [explained.sum(), path.sum(), judged.sum(),
-                    torch.tensor(float(explained.numel()), dtype=torch.float64, device=d.device), (judged * judged).sum()]
-    values = torch.stack(scalars).tolist()  # every scalar is float64 on one device: one stack, one host transfer
-    out.update(sum=values[0], count=int(diff.numel()), max=values[1], where=int(values[2]), ratio_sum=values[3],
+        covered = mask if numerics_mask is None else numerics_mask.bool().to(device) & mask
+        reference = numerics_logps.float().to(device)
+        explained = (learner - reference)[covered].abs().double()
+        path = (reference - sampler)[covered].abs().double()
+        judged = wide[covered].abs()
+        scalars += [explained.sum(), path.sum(), judged.sum(), covered.sum().double(), judged.dot(judged)]
+    # every scalar and the histogram in float64 on one device: one concatenation, one host transfer
+    values = torch.cat([torch.stack(scalars), _histogram_counts(d)]).tolist()
+    out.update(sum=values[0], count=count, max=values[1], where=int(values[2]), ratio_sum=values[3],
                ratio_min=values[4], ratio_max=values[5], seq_ratio_sum=values[6], seq_ratio_min=values[7],
-               seq_ratio_max=values[8], sq_sum=values[9], seqs=int(seq.numel()), hist=delta_histogram(diff))
+               seq_ratio_max=values[8], sq_sum=values[9], seqs=int(seq.numel()), hist=values[-HIST_BINS:])
     if numerics_logps is not None:
         out.update(numerics=1, partial=int(numerics_mask is not None), explained_sum=values[10], path_sum=values[11],
                    judged_sum=values[12], covered=int(values[13]), judged_sq_sum=values[14])
@@ -567,7 +576,7 @@ def compare_states(label: str, expected: dict[str, torch.Tensor], actual: dict[s
         if name not in actual:
             return f"{label}: '{name}' missing"
         if not bitwise_equal(tensor, actual[name]):
-            return f"{label}: '{name}' {_describe_diff(tensor, actual[name])}"
+            return f"{label}: '{name}' {describe_diff(tensor, actual[name])}"
     return None
 
 

@@ -30,38 +30,54 @@ class SampledLogprobTap:
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """As a logits processor: ``scores`` is copied (later processors may change it in place)."""
-        self._record(input_ids, scores.clone())
+        self._record(input_ids, scores.clone().unsqueeze(1))
         return scores
 
     def forward_hook(self, module, args, kwargs, output) -> None:
         """The same record taken as a forward hook on the generating model (``register_forward_hook(...,
         with_kwargs=True)``): each forward of ``generate`` sees the tokens sampled so far (the last column of its
-        ``input_ids``: the whole prompt at prefill, the new token after it) and returns the next-token logits, which
-        ``generate`` copies before its processors run (so they are held without a copy)."""
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        ``input_ids``: the whole prompt at prefill, the new token after it) and returns the next-token logits (the
+        last position of its ``logits``), which ``generate`` copies before its processors run (so they are held
+        without a copy). Both are kept as they come and sliced where the steps are reduced: this runs once per
+        decoding step."""
         logits = getattr(output, "logits", None)
-        if logits is None and isinstance(output, (tuple, list)) and output:
+        if logits is None:
+            if not isinstance(output, (tuple, list)) or not output:
+                return
             logits = output[0]
-        if input_ids is None or logits is None:
-            return
-        self._record(input_ids, logits[:, -1, :])
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            if not args:
+                return
+            input_ids = args[0]
+        self._record(input_ids, logits)
 
     def _record(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        """``input_ids``: [rows, n] whose last column is the token sampled from the previous step; ``logits``:
+        [rows, m, vocab] whose last position is this step's."""
         if self._logits:
-            self._tokens.append(input_ids[:, -1:])
+            self._tokens.append(input_ids)
         self._logits.append(logits)
         self._held += logits.untyped_storage().nbytes()
         if self._held > self.BUFFER_BYTES and len(self._logits) > 1:
             self._reduce(len(self._logits) - 1)  # the last step's token is not known yet
 
+    @staticmethod
+    def _last(tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The last position of each along dim 1, joined along dim 1 (one ``cat`` when each has one position, as in
+        decoding with a KV cache)."""
+        if all(t.size(1) == 1 for t in tensors):
+            return torch.cat(tensors, dim=1)
+        return torch.cat([t[:, -1:] for t in tensors], dim=1)
+
     def _reduce(self, k: int) -> None:
         """The logprobs of the first ``k`` waiting steps' sampled tokens, as one ``[rows, k]`` chunk."""
         logits, self._logits = self._logits[:k], self._logits[k:]
         tokens, self._tokens = self._tokens[:k], self._tokens[k:]
-        stacked = torch.stack(logits, dim=1)  # [rows, k, vocab]
+        stacked = self._last(logits)  # [rows, k, vocab]
         if self.temperature != 1.0:
             stacked = stacked.float() / self.temperature
-        index = torch.cat(tokens, dim=1).to(stacked.device)
+        index = self._last(tokens).to(stacked.device)
         # stays on the device: no host sync inside the decoding loop
         self._steps.append(torch.log_softmax(stacked, dim=-1, dtype=torch.float32).gather(2, index[..., None])
                            .squeeze(2))

@@ -64,7 +64,9 @@ class LearnerSide:
         if value is None:
             return numerics.quantize(self._current[name], spec)
         # dense: no cast here (a round-to-nearest would hide a value the served dtype cannot hold)
-        return value.detach() if spec.format == "dense" else numerics.quantize(value, spec)
+        if spec.format == "dense":
+            return value.detach() if value.requires_grad else value
+        return numerics.quantize(value, spec)
 
 
 def supported_checks(sampler: Sampler) -> frozenset[str]:

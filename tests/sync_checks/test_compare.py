@@ -1,0 +1,71 @@
+"""Bit-for-bit comparison: every path (compiled kernels, memcmp, torch) gives the same answer, names the first pair
+that differs, and groups and chunks as it should."""
+
+import pytest
+import torch
+
+from trl_fp8.sync_checks import compare
+
+
+def test_bitwise_equal_compares_bits_in_any_word_width(compare_path):
+    a = torch.randn(5, 3).bfloat16()  # 30 bytes: compared as 2-byte words
+    assert compare.bitwise_equal(a, a.clone())
+    flipped = a.clone()
+    flipped[1, 1] = -flipped[1, 1]
+    assert not compare.bitwise_equal(a, flipped)
+    zeros = torch.zeros(8)  # 32 bytes: int64 words
+    assert not compare.bitwise_equal(zeros, -zeros) and compare.bitwise_equal(zeros, zeros.clone())  # -0 is not +0
+    nan = torch.full((4,), float("nan"))
+    assert compare.bitwise_equal(nan, nan.clone())  # the same payload
+    other_nan = nan.view(torch.int32).clone()
+    other_nan[2] += 1
+    assert not compare.bitwise_equal(nan, other_nan.view(torch.float32))
+    shifted = torch.randn(9)[1:]  # a 4-byte offset: int32 words on one side, int64 on the other's own
+    assert compare.bitwise_equal(shifted, shifted.clone())
+    changed = shifted.clone()
+    changed[-1] += 1
+    assert not compare.bitwise_equal(shifted, changed)
+    assert compare.bitwise_equal(torch.randn(3, 4).t().contiguous(), torch.randn(3, 4).t().contiguous()) is False
+    t = torch.randn(3, 4).t()
+    assert compare.bitwise_equal(t, t.clone())  # non-contiguous
+    assert not compare.bitwise_equal(torch.tensor([True, False]), torch.tensor([True, True]))
+    assert compare.bitwise_equal(torch.empty(0, 3), torch.empty(0, 3))
+    assert compare.bitwise_equal(torch.arange(5), torch.arange(5)) and not compare.bitwise_equal(torch.arange(5), torch.arange(5) * 2)
+    z = torch.randn(4, dtype=torch.complex64)
+    assert compare.bitwise_equal(z, z.clone()) and not compare.bitwise_equal(z, z.conj())
+    assert not compare.bitwise_equal(torch.ones(4), torch.ones(2, 2)) and not compare.bitwise_equal(torch.ones(4),
+                                                                                          torch.ones(4).double())
+
+
+@pytest.mark.parametrize("group", [1, 7, 64, 1 << 20])
+def test_pair_comparer_finds_the_first_differing_pair_in_groups_and_chunks(monkeypatch, group, compare_path):
+    monkeypatch.setattr(compare, "COMPARE_GROUP_ELEMENTS", group)
+    monkeypatch.setattr(compare, "NATIVE_BATCH_BYTES", 4 * group)
+    g = torch.Generator().manual_seed(group)
+    refs = [torch.randn(n, generator=g).bfloat16().float() for n in (3, 10, 40, 200, 5, 6)]
+    served = [r.bfloat16() for r in refs]
+
+    def run(pairs):
+        comparer = compare.PairComparer()
+        for i, (a, b) in enumerate(pairs):
+            if not comparer.add(i, a, b):
+                break
+        found = comparer.finish()
+        return None if found is None else found[0]
+
+    assert run(list(zip(refs, served))) is None  # widened exactly: equal
+    for wrong in (1, 3, 5):
+        bad = [s.clone() for s in served]
+        bad[wrong].view(torch.int16)[-1] += 1  # one bit of the last element
+        also = [s.clone() for s in bad]
+        also[4].view(torch.int16)[0] += 1  # a later pair differs too: the first is reported
+        assert run(list(zip(refs, bad))) == wrong
+        assert run(list(zip(refs, also))) == min(wrong, 4)
+    inexact = [r.clone() for r in refs]
+    inexact[2][7] += 1e-6  # not a bf16 value: no served tensor widens to it
+    assert run(list(zip(inexact, served))) == 2
+    reshaped = list(served)
+    reshaped[3] = served[3].view(10, 20)
+    assert run(list(zip(refs, reshaped))) == 3
+    same = [s.clone() for s in served]  # the same dtype on both sides: no conversion
+    assert run(list(zip(served, same))) is None
