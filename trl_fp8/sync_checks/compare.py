@@ -133,7 +133,7 @@ class PairComparer:
         self._kind, self._count = None, 0
         self._host: list[tuple] = []
         self._host_bytes = 0
-        self._lib = _native_lib()
+        self._lib = False  # the compiled kernels, looked up (and built) when a host pair first comes
 
     def add(self, label, a: torch.Tensor, b: torch.Tensor) -> bool:
         if self.mismatch is not None:
@@ -145,6 +145,8 @@ class PairComparer:
         if a.is_cpu and b.is_cpu:
             if self._group and not self._flush_group():
                 return False
+            if self._lib is False:
+                self._lib = _native_lib()
             if self._lib is not None:  # the kernel's wrapper checks each pair; one it does not take is compared alone
                 self._host.append((label, a, b))
                 self._host_bytes += a.nbytes
