@@ -19,3 +19,15 @@ def compare_path(request, monkeypatch):
     else:
         assert compare._MEMCMP is not None
     return request.param
+
+
+@pytest.fixture(params=["native", "torch"])
+def stats_path(request, monkeypatch):
+    """Both ways of computing the logprob check's token statistics: one call into the compiled kernels (CPU), and
+    the tensor operations (every device)."""
+    if request.param == "native":
+        if compare._native_lib() is None:
+            pytest.skip("no C compiler here: the compiled statistics are not built")
+    else:
+        monkeypatch.setattr(compare, "_native_lib", lambda: None)
+    return request.param

@@ -391,7 +391,7 @@ def test_a_desync_that_moves_most_tokens_still_fails_at_once_over_few_tokens(n):
     assert not r.passed and "fails at once" in r.message, r.message
 
 
-def test_the_sums_of_squares_add_over_ranks():
+def test_the_sums_of_squares_add_over_ranks(stats_path):
     g = torch.Generator().manual_seed(0)
     learner, sampler = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
     numerics, mask = torch.randn(4, 6, generator=g), torch.rand(4, 6, generator=g) > 0.3
@@ -432,7 +432,7 @@ def _stats_by_hand(learner, sampler, mask, numerics=None, numerics_mask=None):
 
 
 @pytest.mark.parametrize("with_numerics", ["none", "whole", "rows"])
-def test_logprob_stats_match_a_token_by_token_count(with_numerics):
+def test_logprob_stats_match_a_token_by_token_count(with_numerics, stats_path):
     g = torch.Generator().manual_seed(3)
     learner = -3 * torch.rand(6, 9, generator=g)
     sampler = learner + 0.05 * torch.randn(6, 9, generator=g)
@@ -452,6 +452,74 @@ def test_logprob_stats_match_a_token_by_token_count(with_numerics):
     assert sum(stats["hist"]) == stats["count"] == int(mask.sum())
     empty = C.logprob_stats(learner, sampler, torch.zeros_like(mask))
     assert empty["count"] == 0 and empty["hist"] == [0.0] * C.HIST_BINS and empty["where"] is None
+
+
+def _both_paths(monkeypatch, *args):
+    """logprob_stats through the compiled kernels and through the tensor operations."""
+    native = C.logprob_stats(*args)
+    with monkeypatch.context() as m:
+        m.setattr(compare, "_native_lib", lambda: None)
+        return native, C.logprob_stats(*args)
+
+
+EXACT_STATS = ("count", "max", "where", "seqs", "covered", "numerics", "partial", "hist")  # the rest: sums and exp()
+
+
+@pytest.mark.parametrize("case", ["plain", "numerics", "rows", "bool_mask", "float_mask", "strided", "one_token",
+                                  "bf16", "edges"])
+def test_the_compiled_statistics_equal_the_tensor_ones(monkeypatch, case):
+    if compare._native_lib() is None:
+        pytest.skip("no C compiler here: the compiled statistics are not built")
+    from trl_fp8.sync_checks import tokenstats
+
+    g = torch.Generator().manual_seed(len(case))
+    learner = -4 * torch.rand(7, 11, generator=g)
+    sampler = learner + 0.03 * torch.randn(7, 11, generator=g)
+    mask = (torch.rand(7, 11, generator=g) > 0.3).long()  # TRL's completion_mask is int64
+    mask[5] = 0  # a row without a token
+    numerics = numerics_mask = None
+    if case in ("numerics", "rows"):
+        numerics = learner + 0.01 * torch.randn(7, 11, generator=g)
+    if case == "rows":
+        numerics_mask = torch.zeros_like(mask)
+        numerics_mask[::3] = mask[::3]
+    if case == "bool_mask":
+        mask = mask.bool()
+    if case == "float_mask":
+        mask = mask.float()
+    if case == "strided":
+        learner, sampler = learner.t().contiguous().t(), sampler[:, :]  # a transposed layout: copied first
+    if case == "one_token":
+        mask = torch.zeros_like(mask)
+        mask[3, 4] = 1
+    if case == "bf16":
+        learner, sampler = learner.bfloat16(), sampler.bfloat16()
+    if case == "edges":  # gaps exactly on bin edges and past the last one: the same bin both ways
+        edges = tokenstats._edges(torch.device("cpu"), torch.float64)
+        picks = torch.tensor([0.0, 5e-6, 1.0, 1e3])
+        on_edges = torch.cat([edges[::40].float(), picks]).reshape(1, -1)
+        learner, sampler = on_edges, torch.zeros_like(on_edges)
+        mask = torch.ones_like(on_edges, dtype=torch.long)
+    assert tokenstats._native_stats(learner, sampler, mask, numerics, numerics_mask) is not None  # the compiled path ran
+    native, tensor = _both_paths(monkeypatch, learner, sampler, mask, numerics, numerics_mask)
+    assert native["count"] == int((mask != 0).sum()) > 0
+    for key, value in tensor.items():
+        if key in EXACT_STATS:
+            assert native[key] == value, key
+        else:
+            assert native[key] == pytest.approx(value, rel=1e-12, abs=1e-300), key
+
+
+def test_the_compiled_statistics_leave_a_gap_that_is_not_finite_to_the_tensor_path(monkeypatch):
+    learner, sampler = torch.zeros(2, 3), torch.zeros(2, 3)
+    sampler[1, 2] = float("-inf")
+    mask = torch.ones(2, 3, dtype=torch.long)
+    from trl_fp8.sync_checks import tokenstats
+
+    assert tokenstats._native_stats(learner, sampler, mask, None, None) is None
+    native, tensor = _both_paths(monkeypatch, learner, sampler, mask)
+    assert native["max"] == tensor["max"] == math.inf and native["where"] == tensor["where"] == 5
+    assert native["hist"] == tensor["hist"]
 
 
 def test_freshness_and_quant_parity_name_the_first_differing_tensor(monkeypatch, compare_path):

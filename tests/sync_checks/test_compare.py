@@ -69,3 +69,38 @@ def test_pair_comparer_finds_the_first_differing_pair_in_groups_and_chunks(monke
     assert run(list(zip(refs, reshaped))) == 3
     same = [s.clone() for s in served]  # the same dtype on both sides: no conversion
     assert run(list(zip(served, same))) is None
+
+
+def test_pair_comparer_holds_at_most_what_the_memory_plan_counts(monkeypatch, compare_path):
+    """Host pairs wait for one call until their first sides pass NATIVE_BATCH_BYTES (off the host a group holds at
+    most COMPARE_GROUP_ELEMENTS elements): the bounds the plan's rows are made of."""
+    from trl_fp8.sync_checks import memory
+
+    assert compare.NATIVE_BATCH_BYTES == memory.HOST_BATCH_BYTES
+    assert compare.COMPARE_GROUP_ELEMENTS == memory.COMPARE_GROUP_ELEMENTS
+    monkeypatch.setattr(compare, "NATIVE_BATCH_BYTES", 100)
+    comparer, most = compare.PairComparer(), 0
+    for i in range(10):
+        a = torch.full((10,), float(i))  # 40 bytes each
+        assert comparer.add(i, a, a.bfloat16())
+        most = max(most, comparer._host_bytes)
+    assert comparer.finish() is None and most <= 100
+    if compare_path == "native":
+        assert most > 40  # pairs did wait for one call (elsewhere each is compared as it comes)
+
+
+def test_the_plan_counts_one_comparison_group_where_a_sync_is_checked():
+    from types import SimpleNamespace
+
+    from trl_fp8.sync_checks import memory
+
+    def spec(checks, kind="twin"):
+        return SimpleNamespace(args=SimpleNamespace(sync_checks=checks), extra={"sampler": {"kind": kind}},
+                               rollout=SimpleNamespace(generation_batch=8, completion_length=16))
+
+    def group_rows(s):
+        return [r for r in memory.memory_rows(s) if "compared bit for bit" in r.item]
+
+    [row] = group_rows(spec("default"))
+    assert row.bytes == memory.COMPARE_GROUP_ELEMENTS * memory.GROUP_BYTES_PER_ELEMENT and not row.exact
+    assert group_rows(spec("logprob_agreement")) == [] and group_rows(spec("default", "policy")) == []

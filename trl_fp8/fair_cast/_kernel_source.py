@@ -1,6 +1,6 @@
 """The C source of the fused CPU export kernels (stochastic rounding, error feedback) that
 :mod:`trl_fp8.fair_cast._native` compiles on first use, and of the bitwise comparison the weight-sync checks use on
-CPU tensors; kept apart from the build and load logic. The source is part of the library's cache key: any change here
+CPU tensors and the token statistics of their logprob check; kept apart from the build and load logic. The source is part of the library's cache key: any change here
 builds a new library."""
 
 C_SOURCE = r"""
@@ -124,5 +124,86 @@ int64_t trl_fp8_first_unequal(int64_t count, const uint64_t *a, const uint64_t *
             return i;
     }
     return -1;
+}
+
+static inline int mask_at(const void *m, int width, int64_t i) {
+    switch (width) {
+    case 1: return ((const uint8_t *)m)[i] != 0;
+    case 2: return ((const uint16_t *)m)[i] != 0;
+    case 4: return ((const uint32_t *)m)[i] != 0;
+    default: return ((const uint64_t *)m)[i] != 0;
+    }
+}
+
+/* The logprob check's token statistics (trl_fp8/sync_checks/tokenstats.py) over a rows x cols batch in one pass.
+   On the tokens where mask is set, the gap w = (double)(learner - sampler) (an fp32 subtraction, widened):
+   out[0] sum |w|, [1] sum w^2, [2] tokens, [3] max |w|, [4] the masked (row-major) index of the first largest,
+   [5] sum exp(w), [6] min exp(w), [7] max exp(w); per row with a token, r = exp(sum of its w): [8] sum r, [9] min r,
+   [10] max r, [11] rows. With reference (else NULL), on the tokens where covered (NULL: mask) and mask are set:
+   [12] sum |(double)(learner - reference)|, [13] sum |(double)(reference - sampler)|, [14] sum |w|, [15] tokens,
+   [16] sum w^2. Then out[17 + k], k = 0..n_edges: the tokens whose |w| has k of the ascending edges at or below it.
+   Masks are 0/nonzero words of mask_width / covered_width bytes (1, 2, 4, 8). out is zeroed here. Returns 0, or 1
+   (out then means nothing) when a masked gap is not finite: the caller computes those statistics another way. */
+int trl_fp8_logprob_stats(int64_t rows, int64_t cols, const float *learner, const float *sampler, const void *mask,
+                          int mask_width, const float *reference, const void *covered, int covered_width,
+                          const double *edges, int64_t n_edges, double *out) {
+    memset(out, 0, sizeof(double) * (size_t)(17 + n_edges + 1));
+    double *hist = out + 17;
+    double largest = -1.0, where = -1.0, ratio_min = INFINITY, ratio_max = -INFINITY;
+    double seq_min = INFINITY, seq_max = -INFINITY;
+    int64_t count = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        double row_sum = 0.0;
+        int any = 0;
+        for (int64_t c = 0; c < cols; ++c) {
+            int64_t i = r * cols + c;
+            if (!mask_at(mask, mask_width, i))
+                continue;
+            float gap = learner[i] - sampler[i];
+            double w = (double)gap;
+            if (!isfinite(w))
+                return 1;
+            double d = fabs(w);
+            out[0] += d;
+            out[1] += d * d;
+            if (d > largest) {
+                largest = d;
+                where = (double)count;
+            }
+            double ratio = exp(w);
+            out[5] += ratio;
+            if (ratio < ratio_min) ratio_min = ratio;
+            if (ratio > ratio_max) ratio_max = ratio;
+            row_sum += w;
+            any = 1;
+            int64_t lo = 0, hi = n_edges;  /* the number of edges <= d */
+            while (lo < hi) {
+                int64_t mid = lo + (hi - lo) / 2;
+                if (edges[mid] <= d) lo = mid + 1; else hi = mid;
+            }
+            hist[lo] += 1.0;
+            ++count;
+            if (reference && (!covered || mask_at(covered, covered_width, i))) {
+                float explained = learner[i] - reference[i], path = reference[i] - sampler[i];
+                out[12] += fabs((double)explained);
+                out[13] += fabs((double)path);
+                out[14] += d;
+                out[15] += 1.0;
+                out[16] += d * d;
+            }
+        }
+        if (any) {
+            double seq = exp(row_sum);
+            out[8] += seq;
+            if (seq < seq_min) seq_min = seq;
+            if (seq > seq_max) seq_max = seq;
+            out[11] += 1.0;
+        }
+    }
+    out[2] = (double)count;
+    out[3] = count ? largest : 0.0;
+    out[4] = where;
+    out[6] = ratio_min; out[7] = ratio_max; out[9] = seq_min; out[10] = seq_max;
+    return 0;
 }
 """

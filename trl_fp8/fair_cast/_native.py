@@ -38,9 +38,11 @@ The cache folder is ``$TRL_FP8_CACHE``, else ``$XDG_CACHE_HOME/trl_fp8``, else `
   library cached runs no compiler at all.
 - **Comparison.** :func:`first_unequal` compares many CPU tensor pairs bit for bit in one call (the weight-sync
   checks' ``freshness`` and ``quant_parity``): bytes against bytes, or fp32 against bf16 widened, with no copy.
-- **Calls.** :func:`sr_bf16`, :func:`ef_bf16` and :func:`first_unequal` check every tensor (type, dtype, shape, CPU device,
-  contiguity) and the scalar arguments before handing raw pointers to the library, and raise a
-  ``TypeError``/``ValueError`` naming the argument otherwise.
+  The same library holds the logprob check's token statistics (one pass over a batch), called from
+  :mod:`trl_fp8.sync_checks.tokenstats`, which hands it only contiguous CPU tensors of one shape.
+- **Calls.** :func:`sr_bf16`, :func:`ef_bf16` and :func:`first_unequal` (through :func:`comparable_pair`) check
+  every tensor (type, dtype, shape, CPU device, contiguity) and the scalar arguments before handing raw pointers to
+  the library, and raise a ``TypeError``/``ValueError`` naming the argument otherwise.
 """
 
 from __future__ import annotations
@@ -375,6 +377,10 @@ def _open(lib_path: Path | str):
     lib.trl_fp8_first_unequal.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                           ctypes.c_void_p]
     lib.trl_fp8_first_unequal.restype = ctypes.c_int64
+    lib.trl_fp8_logprob_stats.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.trl_fp8_logprob_stats.restype = ctypes.c_int
     return lib
 
 
@@ -537,35 +543,51 @@ _HOST_TENSORS = (torch.Tensor, torch.nn.Parameter)  # plain tensors: data_ptr() 
 
 
 def _comparable(name: str, t) -> None:
-    if type(t) not in _HOST_TENSORS or not t.is_cpu or t.layout != torch.strided or not t.is_contiguous():
+    if type(t) not in _HOST_TENSORS or not t.is_cpu or t.layout is not torch.strided or not t.is_contiguous():
         raise ValueError(f"{name} must be a plain contiguous CPU tensor, got {type(t).__name__} on "
                          f"{getattr(t, 'device', '?')}")
     if t.dtype.is_complex and (t.is_conj() or t.is_neg()):
         raise ValueError(f"{name} is a lazily conjugated or negated view: its bits are not its values")
 
 
+def comparable_pair(a, b, i: int = 0) -> tuple[int, int, int, int]:
+    """What :func:`first_unequal` passes the library for the pair ``(a, b)`` (its ``i``-th): ``(address of a, address
+    of b, size, kind)`` — bytes for one dtype (kind 0), elements for float32 against bfloat16 (kind 1). Checks both
+    tensors first (plain, contiguous, on the CPU, one number of elements, one of those dtype combinations) and
+    raises ``ValueError`` naming what fails. Called on every sync with a model's worth of pairs: the common case is
+    tested at once, with :func:`_comparable` to say what fails."""
+    if not (type(a) in _HOST_TENSORS and type(b) in _HOST_TENSORS and a.is_cpu and b.is_cpu
+            and a.layout is torch.strided and b.layout is torch.strided and a.is_contiguous() and b.is_contiguous()):
+        _comparable(f"pair {i}: a", a)
+        _comparable(f"pair {i}: b", b)
+    n, dtype = a.numel(), a.dtype
+    if b.numel() != n:
+        raise ValueError(f"pair {i}: {n} elements against {b.numel()}")
+    if dtype is b.dtype:
+        if dtype.is_complex:
+            _comparable(f"pair {i}: a", a)
+            _comparable(f"pair {i}: b", b)
+        return a.data_ptr(), b.data_ptr(), n * a.element_size(), 0
+    if dtype is torch.float32 and b.dtype is torch.bfloat16:
+        return a.data_ptr(), b.data_ptr(), n, 1
+    raise ValueError(f"pair {i}: {dtype} against {b.dtype} (one dtype, or float32 against bfloat16)")
+
+
 def first_unequal(lib, pairs) -> int:
     """The index of the first pair ``(a, b)`` whose bits differ, or -1, in one call into ``lib``: ``a`` and ``b`` of
     one dtype compare their bytes; ``a`` float32 and ``b`` bfloat16 compare ``a`` with ``b`` widened (exact). Every
-    tensor is checked first (a plain contiguous CPU tensor; the same number of elements; one of those two dtype
-    combinations): anything else raises ``ValueError`` before the library sees a pointer. The caller keeps the
-    tensors alive for the call (``pairs`` holds them)."""
-    count = len(pairs)
+    pair is checked first (:func:`comparable_pair`): anything else raises ``ValueError`` before the library sees a
+    pointer. The caller keeps the tensors alive for the call (``pairs`` holds them)."""
+    return first_unequal_checked(lib, [comparable_pair(a, b, i) for i, (a, b) in enumerate(pairs)])
+
+
+def first_unequal_checked(lib, entries) -> int:
+    """:func:`first_unequal` on pairs already checked: ``entries`` as :func:`comparable_pair` returns them (the
+    caller keeps their tensors alive for the call)."""
+    count = len(entries)
     if count == 0:
         return -1
-    addresses_a, addresses_b = (ctypes.c_uint64 * count)(), (ctypes.c_uint64 * count)()
-    sizes, kinds = (ctypes.c_int64 * count)(), (ctypes.c_int32 * count)()
-    for i, (a, b) in enumerate(pairs):
-        _comparable(f"pair {i}: a", a)
-        _comparable(f"pair {i}: b", b)
-        n = a.numel()
-        if b.numel() != n:
-            raise ValueError(f"pair {i}: {n} elements against {b.numel()}")
-        if a.dtype == b.dtype:
-            sizes[i], kinds[i] = n * a.element_size(), 0
-        elif a.dtype == torch.float32 and b.dtype == torch.bfloat16:
-            sizes[i], kinds[i] = n, 1
-        else:
-            raise ValueError(f"pair {i}: {a.dtype} against {b.dtype} (one dtype, or float32 against bfloat16)")
-        addresses_a[i], addresses_b[i] = a.data_ptr(), b.data_ptr()
-    return int(lib.trl_fp8_first_unequal(count, addresses_a, addresses_b, sizes, kinds))
+    addresses_a, addresses_b, sizes, kinds = zip(*entries)
+    return int(lib.trl_fp8_first_unequal(count, (ctypes.c_uint64 * count)(*addresses_a),
+                                         (ctypes.c_uint64 * count)(*addresses_b), (ctypes.c_int64 * count)(*sizes),
+                                         (ctypes.c_int32 * count)(*kinds)))

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .compare import PairComparer, bitwise_equal, describe_diff, same_device
+from .tokenstats import (  # noqa: F401 (re-exported: the checks' token statistics)
+    HIST_BINS, HIST_DECADES, HIST_LOW, HIST_PER_DECADE, LOGPROB_STAT_OPS, delta_histogram, logprob_stats, over_fraction)
 
 CHECKS = (
     "recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement", "differential_oracle",
@@ -37,7 +39,7 @@ LOGPROB_GROSS_Z = 3.0  # ... when even the mean minus this many standard errors 
 LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
 LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
 LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (decoding, kernels) may reach this multiple of its calibration
-LOGPROB_REFERENCE_EVERY = 16  # after calibration, ρ is measured on every 16th evaluation; between, its terms are held
+LOGPROB_REFERENCE_EVERY = 32  # after calibration, ρ is measured on every 32nd evaluation; between, its terms are held
 
 
 class WeightSyncError(RuntimeError):
@@ -451,42 +453,6 @@ class LogprobBand:
         return CheckResult(name, True, metrics=metrics)
 
 
-# |Δ logp| histogram of the logprob check: log-spaced bins, so the fraction of tokens over a band is exact to one bin
-# (a ratio of 10^(1/HIST_PER_DECADE) ≈ 1.047) and ranks add their counts.
-HIST_LOW, HIST_DECADES, HIST_PER_DECADE = 1e-5, 7, 50
-HIST_BINS = HIST_DECADES * HIST_PER_DECADE + 2  # + one below HIST_LOW, one at or above HIST_LOW × 10^HIST_DECADES
-
-
-_HIST_EDGES: dict = {}  # (device, dtype) -> the bins' lower edges HIST_LOW·10^(j/m), j = 0 … HIST_DECADES·m
-
-
-def _histogram_counts(deltas: torch.Tensor) -> torch.Tensor:
-    """The float64 counts of :func:`delta_histogram`, on ``deltas``' device."""
-    key = (deltas.device, deltas.dtype)
-    edges = _HIST_EDGES.get(key)
-    if edges is None:
-        exponents = torch.arange(HIST_BINS - 1, dtype=torch.float64) / HIST_PER_DECADE
-        edges = _HIST_EDGES[key] = (HIST_LOW * torch.pow(10.0, exponents)).to(device=deltas.device, dtype=deltas.dtype)
-    # the number of edges at or below each delta is its bin: 0 below HIST_LOW, HIST_BINS - 1 from the last edge up
-    bins = torch.bucketize(deltas.detach(), edges, right=True)
-    return torch.bincount(bins, minlength=HIST_BINS).double()
-
-
-def delta_histogram(deltas: torch.Tensor) -> list[float]:
-    """Counts of ``deltas`` (>= 0) per bin: bin 0 below HIST_LOW, bin k for [HIST_LOW·10^((k−1)/m), ·10^(k/m))."""
-    return _histogram_counts(deltas).tolist()
-
-
-def over_fraction(stats: dict, limit: float) -> float:
-    """Fraction of the masked tokens whose |Δ logp| exceeds ``limit`` (counted from the bin holding ``limit`` up)."""
-    hist, count = stats.get("hist"), stats["count"]
-    if not hist or not count:
-        return 0.0
-    first = 0 if limit < HIST_LOW else min(HIST_BINS - 1, int(math.floor(math.log10(limit / HIST_LOW)
-                                                                            * HIST_PER_DECADE)) + 1)
-    return float(sum(hist[first + 1:])) / count
-
-
 def standard_error(mean: float, sq_sum: float, n: int) -> float:
     """Standard error of a mean over ``n`` values from their mean and sum of squares: ``sqrt(s² / n)`` with the
     sample variance ``s² = (Σx² − n·mean²) / (n − 1)`` (clamped at 0 against rounding); infinite for ``n < 2``."""
@@ -512,61 +478,6 @@ def ratio_metrics(stats: dict) -> dict:
     if stats.get("seqs"):
         out.update(is_ratio_seq_min=stats["seq_ratio_min"], is_ratio_seq_mean=stats["seq_ratio_sum"] / stats["seqs"],
                    is_ratio_seq_max=stats["seq_ratio_max"])
-    return out
-
-
-# How each entry of :func:`logprob_stats` combines over ranks ("hist": element-wise sum).
-LOGPROB_STAT_OPS = {"sum": "sum", "sq_sum": "sum", "count": "sum", "max": "max", "explained_sum": "sum",
-                    "path_sum": "sum", "judged_sum": "sum", "judged_sq_sum": "sum", "covered": "sum", "numerics": "max", "partial": "max", "ratio_sum": "sum",
-                    "ratio_min": "min", "ratio_max": "max", "seq_ratio_sum": "sum", "seq_ratio_min": "min",
-                    "seq_ratio_max": "max", "seqs": "sum"}
-
-
-def logprob_stats(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
-                  numerics_logps: torch.Tensor | None = None, numerics_mask: torch.Tensor | None = None) -> dict:
-    """Token sums of the logprob check on one batch: |learner − sampler| over ``mask`` (sum, sum of squares, count,
-    max, where the max is, a histogram), the importance ratios, and over the tokens the reference covers the
-    |learner − ρ|, |ρ − sampler| and |learner − sampler| sums (the last with its sum of squares). Sums, counts, minima and maxima, so that ranks combine them exactly
-    (:data:`LOGPROB_STAT_OPS`)."""
-    learner = learner_logps.float()
-    device = learner.device
-    mask = mask.bool().to(device)
-    sampler = sampler_logps.float().to(device)
-    signed = learner - sampler
-    out = {"sum": 0.0, "sq_sum": 0.0, "count": 0, "max": 0.0, "explained_sum": 0.0, "path_sum": 0.0,
-           "judged_sum": 0.0, "judged_sq_sum": 0.0, "covered": 0, "numerics": 0, "partial": 0, "where": None,
-           "ratio_sum": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf, "seq_ratio_sum": 0.0,
-           "seq_ratio_min": math.inf, "seq_ratio_max": -math.inf, "seqs": 0, "hist": [0.0] * HIST_BINS}
-    wide = signed.double()
-    masked = wide[mask]  # the masked tokens' signed gaps, row-major
-    count = masked.numel()
-    if count == 0:
-        return out
-    d = masked.abs()
-    ratio = masked.exp()
-    rows = torch.where(mask, wide, 0.0).sum(dim=1)[mask.any(dim=1)]
-    seq = rows.exp()
-    ratio_min, ratio_max = torch.aminmax(ratio)
-    seq_min, seq_max = torch.aminmax(seq)
-    # a float32 gap widened is exact, so the largest and where it is are the float32 gaps'
-    largest, where = d.max(dim=0)  # the first largest
-    scalars = [d.sum(), largest, where.double(), ratio.sum(), ratio_min, ratio_max, seq.sum(), seq_min, seq_max,
-               d.dot(d)]
-    if numerics_logps is not None:
-        covered = mask if numerics_mask is None else numerics_mask.bool().to(device) & mask
-        reference = numerics_logps.float().to(device)
-        explained = (learner - reference)[covered].abs().double()
-        path = (reference - sampler)[covered].abs().double()
-        judged = wide[covered].abs()
-        scalars += [explained.sum(), path.sum(), judged.sum(), covered.sum().double(), judged.dot(judged)]
-    # every scalar and the histogram in float64 on one device: one concatenation, one host transfer
-    values = torch.cat([torch.stack(scalars), _histogram_counts(d)]).tolist()
-    out.update(sum=values[0], count=count, max=values[1], where=int(values[2]), ratio_sum=values[3],
-               ratio_min=values[4], ratio_max=values[5], seq_ratio_sum=values[6], seq_ratio_min=values[7],
-               seq_ratio_max=values[8], sq_sum=values[9], seqs=int(seq.numel()), hist=values[-HIST_BINS:])
-    if numerics_logps is not None:
-        out.update(numerics=1, partial=int(numerics_mask is not None), explained_sum=values[10], path_sum=values[11],
-                   judged_sum=values[12], covered=int(values[13]), judged_sq_sum=values[14])
     return out
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from . import memory as _memory
+
 
 def describe_diff(expected: torch.Tensor, actual: torch.Tensor) -> str:
     if expected.shape != actual.shape:
@@ -87,8 +89,9 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # Off the host (or without memcmp), many small tensors are compared in groups: one concatenation per side and one
 # comparison for up to this many elements (each tensor's own comparison costs a dispatch and, on a GPU, a sync); a
-# larger tensor is compared alone. A tensor is widened in chunks of this many elements (no full-size temporary).
-COMPARE_GROUP_ELEMENTS = 1 << 20
+# larger tensor is compared alone. A tensor is widened in chunks of this many elements (no full-size temporary). The
+# memory plan counts the bound (trl_fp8.sync_checks.memory).
+COMPARE_GROUP_ELEMENTS = _memory.COMPARE_GROUP_ELEMENTS
 
 
 def _equal_widened(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -107,15 +110,26 @@ def _equal_widened(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # Host pairs wait for one call into the compiled comparison until the first sides of those waiting hold this many
-# bytes (the tensors are held until then: a reference the learner side computed is a fresh tensor).
-NATIVE_BATCH_BYTES = 64 << 20
+# bytes (the tensors are held until then: a reference the learner side computed is a fresh tensor); the memory plan
+# counts it (trl_fp8.sync_checks.memory).
+NATIVE_BATCH_BYTES = _memory.HOST_BATCH_BYTES
+
+
+_NATIVE_MODULE = []  # trl_fp8.fair_cast._native once imported
+
+
+def _native_module():
+    """:mod:`trl_fp8.fair_cast._native` (imported on first use: a run on a GPU never needs it)."""
+    if not _NATIVE_MODULE:
+        from ..fair_cast import _native
+
+        _NATIVE_MODULE.append(_native)
+    return _NATIVE_MODULE[0]
 
 
 def _native_lib():
     """The compiled CPU kernels (:mod:`trl_fp8.fair_cast._native`, built on first use), or None."""
-    from ..fair_cast import _native
-
-    return _native.load()
+    return _native_module().load()
 
 
 class PairComparer:
@@ -147,11 +161,12 @@ class PairComparer:
                 return False
             if self._lib is False:
                 self._lib = _native_lib()
-            if self._lib is not None:  # the kernel's wrapper checks each pair; one it does not take is compared alone
-                self._host.append((label, a, b))
+            entry = self._checked(a, b) if self._lib is not None else None
+            if entry is not None:  # checked for the kernel now; waits for one call with the others
+                self._host.append((label, a, b, entry))
                 self._host_bytes += a.nbytes
                 return self._flush_host() if self._host_bytes > NATIVE_BATCH_BYTES else True
-            if self._host and not self._flush_host():
+            if self._host and not self._flush_host():  # a pair the kernel does not take: compared alone, in order
                 return False
             if not _equal_widened(a, b):  # in place (memcmp) where it can be
                 self.mismatch = (label, a, b)
@@ -176,18 +191,20 @@ class PairComparer:
     def _flush(self) -> bool:
         return self._flush_host() and self._flush_group()
 
+    @staticmethod
+    def _checked(a, b):
+        try:
+            return _native_module().comparable_pair(a, b)
+        except ValueError:  # another widening, a strided view, a subclass: not for the kernel
+            return None
+
     def _flush_host(self) -> bool:
         todo, self._host, self._host_bytes = self._host, [], 0
         if not todo or self.mismatch is not None:
             return self.mismatch is None
-        from ..fair_cast import _native
-
-        try:
-            first = _native.first_unequal(self._lib, [(a, b) for _, a, b in todo])
-        except ValueError:  # a pair the kernel does not take (another widening, a strided view, a subclass)
-            first = next((i for i, (_, a, b) in enumerate(todo) if not _equal_widened(a, b)), -1)
+        first = _native_module().first_unequal_checked(self._lib, [entry for *_, entry in todo])
         if first >= 0:
-            self.mismatch = todo[first]
+            self.mismatch = todo[first][:3]
         return first < 0
 
     def _flush_group(self) -> bool:

@@ -9,6 +9,11 @@ by the plan as the trainer decides it: :func:`trl_fp8.plan.plan.sampler_of`).
   sampler computes: the twin with the export swapped in (0 B), a rollout cache built afresh after the generation's
   own is dropped (no extra peak), or, for a vLLM engine fed TRL's stream, the learner's fp32 tensors cast to the
   engine's dtype (a copy for the duration of that forward).
+- ``freshness`` and ``quant_parity`` compare in batches: on a GPU, groups of up to :data:`COMPARE_GROUP_ELEMENTS`
+  elements (the group's learner references, both sides concatenated, one side widened: at most 14 B an element);
+  on the CPU, one call into the compiled kernels per :data:`HOST_BATCH_BYTES` of learner references, held until then.
+  References to tensors held anyway add nothing; one the check computes (a cast to the engine's dtype, an MXFP8
+  quantize-dequantize) is held that long. The plan counts the GPU bound, as a transient of the sync.
 - The sampler's per-token logprobs travel with the batch (fp32, rows × completion length).
 - ``differential_oracle`` (not in the default set) reloads the sampler from clones at the first sync: about four
   copies of what is streamed, once.
@@ -20,6 +25,13 @@ from ..memory import GENERATION, PERSISTENT, TRAINING, Row, per
 
 DEFAULT = ("recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement", "cache_hygiene")
 ALL = DEFAULT + ("differential_oracle",)
+
+# How much a bitwise comparison of many tensors holds at once (trl_fp8.sync_checks.compare.PairComparer), bounded so
+# that it is counted here: off the host, groups of up to this many elements (one concatenation per side) ...
+COMPARE_GROUP_ELEMENTS = 1 << 20
+GROUP_BYTES_PER_ELEMENT = 14  # the reference (<= 4 B), both sides concatenated (4 + 2 B), one side widened (4 B)
+# ... on the host, the learner references (first sides) waiting for one call into the compiled kernels.
+HOST_BATCH_BYTES = 4 << 20
 
 
 def enabled_checks(value) -> tuple[str, ...]:
@@ -46,6 +58,11 @@ def memory_rows(spec) -> list[Row]:
     rows.append(Row("weight-sync checks: learner-side reference of the stream", fresh,
                     sampler.get("fresh_stream_per", "0 B: references to tensors held anyway"), PERSISTENT,
                     "sync_checks", "sync_checks/learner"))
+    if "quant_parity" in checks or "freshness" in checks:
+        group = COMPARE_GROUP_ELEMENTS * GROUP_BYTES_PER_ELEMENT
+        rows.append(Row("weight-sync checks: one group of tensors compared bit for bit (at most)", group,
+                        per(GROUP_BYTES_PER_ELEMENT, "elements a group", COMPARE_GROUP_ELEMENTS), GENERATION,
+                        "sync_checks", exact=False))
     if "logprob_agreement" in checks:
         cast = sampler.get("reference_cast_params", 0)
         if cast:
