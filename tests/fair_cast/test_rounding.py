@@ -152,3 +152,93 @@ def test_ulp_matches_the_spec_formula():
     x = torch.tensor([0.02, 0.04, 1.0, 1.5, -3.0])
     expected = torch.tensor([2.0 ** (math.floor(math.log2(abs(v))) - 7) for v in x.tolist()])
     assert torch.equal(ulp(x), expected)
+
+
+# -- the equal-noise control: RTN plus SR's average noise, centred on RTN -------------------------------------------
+
+def _noise(x, dtype=torch.bfloat16, step=0, index=0, seed=0, offset=0):
+    return R.rtn_plus_noise(x, dtype, seed=seed, step=step, index=index, offset=offset)
+
+
+# the 16-bit uniform serves a probability p as floor(65536 p + 1/2) / 65536 (5461/65536 for 1/12 a side)
+_P12 = 5461 / 65536
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value", [0.0234 + 1e-5, -1.37, 150.3, 0.99999, 1.0 + 1e-4, 2.0])
+def test_rtn_noise_per_element_mean_is_rtn_and_variance_is_srs_average(dtype, value):
+    """One element drawn many times (the counter gives each copy its own draw): E[q] = RN(x) and Var[q] =
+    ulp(x)²/6, SR's variance averaged over a uniform residue. Tolerances are 5 standard errors of each estimate,
+    derived from the three-point law itself (moves of ±one gap, 1/12 a side when the gaps are equal)."""
+    n = 200_000
+    x = torch.full((n,), value, dtype=torch.float32)
+    q = _noise(x, dtype).float()
+    rn = x.to(dtype).float()
+    u = ulp(x[:1], dtype).item()
+    up = torch.nextafter(x[:1].to(dtype), torch.tensor([float("inf")], dtype=dtype)).float().item()
+    dn = torch.nextafter(x[:1].to(dtype), torch.tensor([float("-inf")], dtype=dtype)).float().item()
+    assert set(q.unique().tolist()) <= {dn, rn[0].item(), up}  # one step to a neighbour, or none
+    d = (q - rn) / u
+    target_var = 1 / 6
+    # the largest move is one gap, at most 2 ulp: E[d^4] <= 4 Var, so SE(var) <= sqrt(4 Var / n) * ...; use the bound
+    se_mean = math.sqrt(target_var / n)
+    se_var = math.sqrt(4 * target_var / n)
+    assert abs(d.mean().item()) < 5 * se_mean
+    assert abs(d.pow(2).mean().item() - target_var) < 5 * se_var + target_var * 1e-3
+
+
+def test_rtn_noise_equal_gaps_move_one_twelfth_each_way():
+    x = torch.full((300_000,), 1.37, dtype=torch.float32)
+    q = _noise(x).float()
+    rn = x.to(torch.bfloat16).float()
+    up_frac = (q > rn).float().mean().item()
+    dn_frac = (q < rn).float().mean().item()
+    tol = 5 * math.sqrt(_P12 * (1 - _P12) / x.numel())
+    assert abs(up_frac - _P12) < tol and abs(dn_frac - _P12) < tol
+
+
+def test_rtn_noise_over_a_tensor_has_rtns_mean_and_srs_variance():
+    """Over a tensor of weights of many magnitudes (uniform residues): the control's mean offset from RTN is 0 and
+    its mean squared offset equals SR's mean squared error — the same noise, centred where RTN is."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1_000_000, generator=g) * torch.logspace(-3, 1, 1_000_000)
+    u = ulp(x)
+    rn = x.to(torch.bfloat16).float()
+    d_noise = (_noise(x, step=3).float() - rn) / u
+    d_sr = (_sr(x, step=3).float() - x) / u
+    n = x.numel()
+    assert abs(d_noise.mean().item()) < 5 * math.sqrt((1 / 6) / n)
+    # both mean squares estimate 1/6 (SR's: E f(1-f) for a uniform residue f); each within 5 standard errors
+    for ms in (d_noise.pow(2).mean().item(), d_sr.pow(2).mean().item()):
+        assert abs(ms - 1 / 6) < 5 * math.sqrt(4 * (1 / 6) / n) + 1e-3 / 6
+    # and unlike SR its mean sits on RTN, not on the master: over elements whose residue is above half an ulp
+    # below the midpoint, SR's expected value is the master while the control's is RN
+    resid = (x - rn) / u
+    assert abs(resid.mean().item()) < 0.01  # residues centred: the check below is not trivial
+    assert (d_noise + resid).abs().mean().item() > 0.2  # the control's offset from the master keeps RTN's residue
+
+
+def test_rtn_noise_is_keyed_shard_invariant_and_passes_specials():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    a = _noise(x, step=5, index=2)
+    assert torch.equal(_bits(a), _bits(_noise(x, step=5, index=2)))
+    assert not torch.equal(_bits(a), _bits(_noise(x, step=6, index=2)))
+    # a shard rounds as the whole tensor would
+    assert torch.equal(_bits(a[1000:]), _bits(_noise(x[1000:], step=5, index=2, offset=1000)))
+    # not SR's stream: the same key gives other draws
+    moved = a.float() != x.to(torch.bfloat16).float()
+    assert 0.1 < moved.float().mean().item() < 0.25  # 1/6 of the elements move
+    s = torch.tensor([float("nan"), float("inf"), float("-inf"), 3.4e38, -3.4e38] * 1000)
+    out = _noise(s).float()
+    assert torch.isnan(out[0::5]).all()
+    assert (out[1::5] == float("inf")).all() and (out[2::5] == float("-inf")).all()
+    assert torch.isfinite(out[3::5]).all() and (out[3::5] <= BF16_MAX).all() and (out[4::5] >= -BF16_MAX).all()
+
+
+def test_rtn_noise_bad_inputs_are_named():
+    with pytest.raises(TypeError, match="fp32"):
+        _noise(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="dtype must be"):
+        R.rtn_plus_noise(torch.zeros(3), torch.int8, seed=0, step=0, index=0)
+    with pytest.raises(ValueError, match="out must be"):
+        R.rtn_plus_noise(torch.zeros(3), seed=0, step=0, index=0, out=torch.empty(4, dtype=torch.bfloat16))

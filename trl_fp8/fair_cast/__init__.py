@@ -4,7 +4,7 @@ The names below are imported on first use, so that the memory plan can read :mod
 arithmetic) without importing torch.
 """
 
-__all__ = ["ErrorFeedback", "error_feedback_round", "round_nearest", "stochastic_round", "ulp"]
+__all__ = ["ErrorFeedback", "error_feedback_round", "round_nearest", "rtn_plus_noise", "stochastic_round", "ulp"]
 
 
 def __getattr__(name):

@@ -27,8 +27,10 @@ class FairCastArgs:
         default="off",
         metadata={
             "help": "trl_fp8: export rule of the fp32 master into the served copy: 'off' (TRL), 'rtn' "
-            "(round-to-nearest baseline), 'stochastic' or 'error_feedback'. When on, the loss runs on the "
-            "served copy and gradients update the fp32 master.",
+            "(round-to-nearest baseline), 'stochastic' or 'error_feedback'; 'rtn_noise' is an experimental "
+            "control for studies (round-to-nearest plus stochastic rounding's noise: the lag kept, the noise added), "
+            "not a rule to train with. When on, the loss runs on the served copy and gradients update the fp32 "
+            "master.",
             "choices": list(FAIR_CAST_MODES),
         },
     )

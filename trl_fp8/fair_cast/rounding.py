@@ -5,6 +5,9 @@
   so ``E[q] = w``. Randomness comes from a counter-based hash of (key, element index), where the key is
   derived from (seed, step, tensor index): reproducible, fresh at every step, and identical on every
   data-parallel replica of the same tensor. No global RNG state is touched.
+- :func:`rtn_plus_noise` (experimental control, not a Fair Cast rule): RTN plus zero-mean noise of one step to a
+  neighbour with SR's average variance (ulp²/6), centred on RTN: it keeps round-to-nearest's lag and adds stochastic
+  rounding's noise, so a race can tell "the lag removed" from "noise added".
 - :class:`ErrorFeedback` (EF): keeps an fp32 residual ``r``; ``v = w + r``, ``q = RN(v)``, ``r = v - q``.
   Deterministic; the running sum of ``q - w`` telescopes to ``r``, so the served copy does not drift.
 
@@ -173,6 +176,63 @@ def stochastic_round(
         result = _sr_generic(src, dtype, key, int(offset))
         return result if out is None else out.copy_(result)
     raise ValueError(f"stochastic_round: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+
+
+# Salt of the control's random stream, so it is never SR's stream for the same (seed, step, tensor).
+_NOISE_SALT = 0x6E015E
+
+
+def rtn_plus_noise(
+    src: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    seed: int,
+    step: int,
+    index: int,
+    out: torch.Tensor | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """The equal-noise control: ``q = RN(src)`` moved one step down or up (to a neighbour in ``dtype``) at random.
+
+    Per element the move has mean exactly 0 and variance ``ulp(src)**2 / 6`` — stochastic rounding's variance
+    averaged over a uniform residue (``E[f(1-f)] = 1/6``) — whatever the gaps below and above ``q`` (they differ at a
+    power of two): with ``c = V / (g_dn + g_up)``, down with probability ``c / g_dn`` and up with ``c / g_up``, so
+    ``E = c - c = 0`` and ``Var = c·g_dn + c·g_up = V``. Where both gaps equal one ulp the probabilities are 1/12 each.
+    So its expectation is RTN's (it keeps round-to-nearest's lag) and its spread is SR's (it adds SR's noise).
+
+    Randomness as :func:`stochastic_round` (counter ``offset + i``, key from ``(seed, step, index)`` with a salt of
+    its own): reproducible and shard-invariant. NaN and ±inf pass through; finite values saturate at the largest
+    finite value and noise never leaves the finite range (a move past it is not taken, a rare bias noted here).
+    ``u`` has 16 bits, so a probability of 1/12 is served as 5461/65536 (variance 1.00 - 6e-5 of the target, mean
+    exactly 0 where the gaps are equal). Plain PyTorch ops (about ten elementwise passes): a control for
+    benchmarks, not a fast path.
+    """
+    if src.dtype != torch.float32:
+        raise TypeError(f"rtn_plus_noise expects an fp32 tensor, got {src.dtype}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"rtn_plus_noise: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    if out is not None and (out.dtype != dtype or out.shape != src.shape):
+        raise ValueError(f"rtn_plus_noise: out must be {dtype} of shape {tuple(src.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    src = src.contiguous()
+    finfo = torch.finfo(dtype)
+    clamped = torch.where(torch.isinf(src), src, src.clamp(-finfo.max, finfo.max))
+    q = clamped.to(dtype)
+    q32 = q.float()
+    up = torch.nextafter(q, torch.full_like(q, float("inf"))).float()
+    dn = torch.nextafter(q, torch.full_like(q, float("-inf"))).float()
+    g_up, g_dn = up - q32, q32 - dn  # inf where the neighbour is ±inf (q at ±max): that move is never taken
+    var = ulp(clamped, dtype).square() / 6.0
+    c = var / (g_up + g_dn)
+    p_dn = c / g_dn
+    p_up = c / g_up
+    key = derive_key(seed, step, index) ^ _NOISE_SALT
+    u = (random_bits16(src.numel(), key, src.device, int(offset)).view(src.shape).to(torch.float32) + 0.5) / 65536.0
+    # down from the bottom of [0, 1), up from the top: the 16-bit grid of u gives both moves the same count
+    moved = torch.where(u < p_dn, dn, torch.where(u > 1.0 - p_up, up, q32))
+    finite = torch.isfinite(clamped) & torch.isfinite(moved)
+    result = torch.where(finite, moved, q32).to(dtype)
+    return result if out is None else out.copy_(result)
 
 
 class ErrorFeedback:

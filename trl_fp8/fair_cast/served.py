@@ -1,7 +1,8 @@
 """The served copy of a set of fp32 master parameters, and the bookkeeping around each optimizer step.
 
 Pure PyTorch (no TRL). A :class:`ServedCopy` owns the fp32 master of every parameter it manages and writes the
-served tensors (``served_dtype``) with one export rule: ``"rtn"``, ``"stochastic"`` or ``"error_feedback"``.
+served tensors (``served_dtype``) with one export rule: ``"rtn"``, ``"stochastic"`` or ``"error_feedback"`` (and
+``"rtn_noise"``, the experimental equal-noise control: round-to-nearest plus stochastic rounding's noise).
 Between optimizer steps the parameters themselves hold the *served values* (exactly representable in fp32),
 so the forward/backward that produce the loss run on exactly the weights the sampler serves; the gradient
 w.r.t. the served value is applied to the master (straight-through)::
@@ -23,9 +24,9 @@ import torch
 from ..numerics import dtype_name
 from ..serving import folded
 from .memory import METRIC_ELEMENTS, metric_subset_sizes
-from .rounding import error_feedback_round, round_nearest, stochastic_round, ulp
+from .rounding import error_feedback_round, round_nearest, rtn_plus_noise, stochastic_round, ulp
 
-EXPORT_MODES = ("rtn", "stochastic", "error_feedback")
+EXPORT_MODES = ("rtn", "stochastic", "error_feedback", "rtn_noise")
 LAG_EMA = 0.9  # EMA factor of the per-step master update used by `lag_steps`
 
 
@@ -156,6 +157,9 @@ class ServedCopy:
         elif self.mode == "stochastic":  # ... and the global index of its first element (see fair_cast.sharded)
             stochastic_round(src, self.dtype, seed=self.seed, step=step, index=index, out=dst,
                              offset=getattr(unit, "offset", 0))
+        elif self.mode == "rtn_noise":  # the control: keyed and sharded as SR is
+            rtn_plus_noise(src, self.dtype, seed=self.seed, step=step, index=index, out=dst,
+                           offset=getattr(unit, "offset", 0))
         else:
             error_feedback_round(src, self.residual[name], self.dtype, out=dst)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 
-FAIR_CAST = ("off", "rtn", "stochastic", "error_feedback")  # GRPOConfig.fair_cast's choices (a test checks)
+FAIR_CAST = ("off", "rtn", "stochastic", "error_feedback", "rtn_noise")  # GRPOConfig.fair_cast's choices (a test checks)
 FAST_QLORA = ("off", "auto", "on")  # GRPOConfig.fast_qlora's choices (a test checks)
 # Upper bounds of the integer options: far above any run, low enough that the byte counts stay finite.
 LIMITS = {"--lora-r": 2**16, "--generations": 2**16, "--batch-size": 2**16, "--steps-per-generation": 2**16,
