@@ -63,7 +63,8 @@ class BackendCounter:
     """Counts which implementation each SR/EF call reached (wrapping the module functions the dispatch calls)."""
 
     def __init__(self):
-        from trl_fp8.fair_cast import _native, rounding
+        from trl_fp8 import native as _native
+        from trl_fp8.fair_cast import rounding
 
         self.counts = collections.Counter()
         self.patched = []
@@ -95,7 +96,7 @@ _HEADLINE_EXTENSIONS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "
 
 
 def main() -> None:
-    from trl_fp8.fair_cast import _native
+    from trl_fp8 import native as _native
     from trl_fp8.fair_cast.rounding import derive_key, error_feedback_round, stochastic_round
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

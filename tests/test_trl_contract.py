@@ -3,6 +3,7 @@ the same signature, and every TRL code block whose internals we depend on is unc
 any of them fails here with the list of what moved — not later, silently, in a training run."""
 
 import inspect
+import json
 
 import pytest
 from trl import GRPOTrainer as TRLGRPOTrainer
@@ -176,3 +177,28 @@ def test_the_vllm_engine_calls_of_duet_exist():
             moved.append(f"LLMEngine.{name}{params} (expected {expected})")
     assert not moved, moved
     assert SamplingParams(n=1, logprobs=2, output_kind=RequestOutputKind.DELTA).output_kind is RequestOutputKind.DELTA
+
+
+def test_trl_s_vllm_range_notice_is_quiet_for_the_tested_version_only():
+    """TRL warns about any vLLM above 0.31.0; trl_fp8 is tested on 0.32 and quiets that notice for 0.32.x alone. In a
+    fresh process (pytest restores its warning filters after collecting, dropping what an import installed)."""
+    import subprocess
+    import sys
+
+    code = """
+import json, warnings
+import trl_fp8
+import trl.import_utils as iu
+out = {}
+for version in ("0.32.0", "0.32.3", "0.33.0", "0.21.0"):
+    iu._is_package_available = lambda name, return_version=False, v=version: (True, v)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", message="TRL currently supports vLLM", append=True)
+        iu.is_vllm_available()
+    out[version] = sum("TRL currently supports vLLM" in str(w.message) for w in caught)
+print("NOTICES", json.dumps(out))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    notices = json.loads(done.stdout.rsplit("NOTICES", 1)[1])
+    assert notices == {"0.32.0": 0, "0.32.3": 0, "0.33.0": 1, "0.21.0": 1}

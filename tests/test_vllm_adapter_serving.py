@@ -88,7 +88,7 @@ def _release(trainer):
 def test_fair_cast_sr_pushes_its_served_factors_and_every_check_compares(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, fair_cast="stochastic")
     fair_cast = trainer.capability("fair_cast")
-    offer = trainer.serving()
+    offer = trainer.offer()
     assert fair_cast.adapters and offer.owner == "fair_cast" and fair_cast.sampler is None  # no twin, no dense copy
     llm = trainer.vllm_generation.llm
     assert llm.llm_engine.vllm_config.lora_config.max_lora_rank == 8  # r=4, rounded up to what vLLM accepts
@@ -117,7 +117,7 @@ def test_fast_qlora_pushes_rounded_factors_over_the_learner_s_4bit_base(tmp_path
 
     trainer = _trainer(tmp_path, demo_dir, four_bit=True, fast_qlora="on", qlora_keep_budget_gb=0)
     qlora = trainer.capability("fast_qlora")
-    offer = trainer.serving()
+    offer = trainer.offer()
     assert trainer.sampling.kind == "lora_versions" and trainer.sampling.owner == "lora_serving"
     assert offer.owner == "lora_serving" and qlora.vllm_export is None  # the decision's own adapter serving
     lora = offer.sampler.lora
@@ -144,7 +144,7 @@ def test_a_rollout_generated_without_the_adapter_stops_the_first_step(tmp_path, 
     import trl_fp8
 
     trainer = _trainer(tmp_path, demo_dir, fair_cast="stochastic", sync_checks="default")
-    lora = trainer.serving().sampler.lora
+    lora = trainer.offer().sampler.lora
     lora.lora_request = lambda: None  # the engine's requests lose their LoRA request
     with pytest.raises(trl_fp8.WeightSyncError) as info:
         trainer.train()

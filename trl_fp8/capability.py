@@ -10,8 +10,10 @@ them; every hook has a do-nothing default, so a capability implements only what 
   capability has nothing to do (it is then dropped, having said why);
 - generation (the in-process path): ``generating(trainer)`` (a context around each generation call),
   ``after_generation(trainer, completion_ids)``;
-- the sampler: ``offer(trainer)`` (a :class:`SamplerOffer`: stream, dtype, sampler, model, numerics), resolved once
-  after set-up and installed by the trainer; ``sampler_ready(trainer, offer)`` once it is; ``before_sync`` /
+- the sampler: ``serves(args, facts)`` declares the kind it would serve; :func:`trl_fp8.sampling.decide` picks one
+  kind and its owner before TRL builds anything; after set-up the trainer asks that owner alone for its
+  ``offer(trainer)`` (a :class:`SamplerOffer`: stream, dtype, sampler, model, numerics) and installs it with the
+  kind's handler (:mod:`trl_fp8.kinds`); ``sampler_ready(trainer, offer)`` once it is; ``before_sync`` /
   ``after_sync`` around every sync (the weight-sync checks observe them);
 - batch and loss: ``adjust_inputs(trainer, inputs)`` (the generation batch's dataset rows, before TRL reads them),
   ``adjust_rewards(trainer, rewards)``, ``adjust_batch(trainer, output)``,
@@ -33,10 +35,10 @@ Where capabilities meet is declared data, read in one place (:mod:`trl_fp8.compo
 - ``conflicts``: the settings it cannot run with (:class:`Conflict`: a field and why), and ``excludes``: the other
   capabilities it cannot run with — checked once, when a ``GRPOConfig`` is built, naming both sides;
 - ``serves(args, facts)`` declares what kind of sampler it would serve (:mod:`trl_fp8.sampling` decides once, from
-  the config and the model facts, before TRL builds the engine); ``offer(trainer)``, ``generation_path(trainer)`` and
-  ``vllm_generate(trainer)`` then supply the sampler and its stream, the in-process generation call and the vLLM
-  engine call; ``overrides`` names the capabilities whose offer this one's replaces when both offer (two offers
-  without a declared winner are an error).
+  the config and the model facts, before TRL builds the engine); the owner's ``offer(trainer)`` then supplies the
+  sampler and its stream; ``generation_path(trainer)`` and ``vllm_generate(trainer)`` replace the in-process
+  generation call and the vLLM engine call; ``overrides`` names the capabilities whose declaration or replacement
+  this one's wins over when both make one (two without a declared winner are an error).
 """
 
 from __future__ import annotations
@@ -91,10 +93,11 @@ class Conflict:
 
 @dataclass
 class SamplerOffer:
-    """Who generates the rollouts and what a sync sends it: one capability's offer (:meth:`Capability.offer`). The
-    trainer resolves the offers once, after every capability set up (one winner, by ``overrides``), installs the
-    winner and runs every sync of it with the capabilities as observers (:meth:`Capability.before_sync` /
-    :meth:`Capability.after_sync`). No capability installs a stream of its own or looks up who else offers.
+    """Who generates the rollouts and what a sync sends it: the offer of the capability the sampling decision names
+    as owner (:meth:`Capability.offer`), asked once after every capability set up. The trainer installs it with the
+    decision's kind handler (:mod:`trl_fp8.kinds`) and runs every sync of it with the capabilities as observers
+    (:meth:`Capability.before_sync` / :meth:`Capability.after_sync`). No capability installs a stream of its own or
+    looks up who else offers.
 
     - ``stream``: ``() -> iterable of (learner name, tensor in dtype)``, what a sync sends (None: TRL's own stream);
     - ``dtype``: the dtype of what is sent (the sampler computes in it);
@@ -112,8 +115,6 @@ class SamplerOffer:
       in place of TRL's own by the trainer's installer for that kind; None: ``stream`` as it is;
     - ``kind``: the kind of :mod:`trl_fp8.sampling` this offer serves (set by the trainer from the decision);
     - ``owner``: the capability's name (set by the trainer).
-
-    The trainer installs an offer with the one installer registered for its kind (:data:`trl_fp8.trainer.INSTALLERS`).
     """
 
     stream: Callable | None = None
@@ -125,22 +126,6 @@ class SamplerOffer:
     vllm_stream: Callable | None = None
     kind: str = ""
     owner: str = ""
-
-
-_REGISTERED: tuple = ()
-
-
-def register(capabilities) -> None:
-    """Called once by :mod:`trl_fp8.registry`: the capability list, for a capability that must ask the others a
-    declared question at config time (e.g. the checks ask :func:`trl_fp8.sampling.decide` whether a sampler separate
-    from the learner may exist) without importing them."""
-    global _REGISTERED
-    _REGISTERED = tuple(capabilities)
-
-
-def registered() -> tuple:
-    """The capability list :mod:`trl_fp8.registry` registered (empty before it is imported)."""
-    return _REGISTERED
 
 
 # What a capability's generation_path (which replaces the in-process generation call) must still honour: the
@@ -172,6 +157,7 @@ class Capability:
     conflicts: tuple[Conflict, ...] = ()  # settings it cannot run with
     excludes: dict[str, str] = {}  # other capability -> why the two cannot run together
     overrides: tuple[str, ...] = ()  # capabilities whose offers (sampler, generation path) this one's replaces
+    derived_stream: bool = False  # its offer's stream computes what it sends at each sync (not held anyway)
 
     @classmethod
     def asked(cls, args) -> str:
@@ -223,8 +209,9 @@ class Capability:
 
     def offer(self, trainer) -> SamplerOffer | None:
         """What this capability offers to generate the rollouts with and to send the sampler (a
-        :class:`SamplerOffer`), or None. Asked once, after every capability set up; the winner is installed by the
-        trainer (see :class:`SamplerOffer`)."""
+        :class:`SamplerOffer`), or None. Asked once, after every capability set up, and only of the owner the
+        sampling decision names; the trainer installs it (see :class:`SamplerOffer`). It reads what to offer from
+        ``trainer.sampling.kind``."""
         return None
 
     def generation_path(self, trainer):
@@ -245,7 +232,7 @@ class Capability:
 
     # -- the sampler, once chosen: observers of every sync -------------------------------------------------------
     def sampler_ready(self, trainer, offer: SamplerOffer | None) -> bool:
-        """Once, after the trainer resolved and installed the sampler offer (``offer``; None: TRL's own sampler and
+        """Once, after the trainer installed the decision's sampler offer (``offer``; None: TRL's own sampler and
         stream): e.g. the weight-sync checks build their sampler and learner sides here. False: nothing to do on this
         run (the capability is dropped, having said why)."""
         return True

@@ -85,10 +85,10 @@ def winner(offers: dict):
     return left[0]
 
 
-def check_offers(trainer) -> None:
-    """Every offer resolved once at set-up, so that two undeclared offers fail when the trainer is built, not at the
-    first generation: the generation path and the vLLM engine call, as they are offered in training (who samples is
-    the sampling decision's, :mod:`trl_fp8.sampling`)."""
+def check_replacements(trainer) -> None:
+    """The replacements of the generation path and of the vLLM engine call asked once at set-up, as they are made in
+    training, so that two without a declared winner fail when the trainer is built, not at the first generation (who
+    samples, and what it is sent, is the sampling decision's: :mod:`trl_fp8.sampling`)."""
     with _training(trainer):
         generation_path(trainer)
         vllm_generate(trainer)

@@ -70,7 +70,7 @@ class GRPOConfig(*_MIXINS, _TRLGRPOConfig):
 
         layout = detect_config(self)
         for capability in CAPABILITIES:
-            soft = capability.soft_default is not None and capability.soft_default(self)
+            soft = capability.soft_default is not None and capability.soft_default(self, CAPABILITIES)
             if capability.wanted(self) and not soft:
                 admit(capability, self, layout)
 

@@ -38,9 +38,9 @@ _TRUE = ("1", "true", "yes", "on")
 
 @dataclass(frozen=True)
 class Layout:
-    """How a run spreads over processes. ``kind``: ``"single"``, ``"ddp"``, ``"deepspeed"`` or ``"fsdp"``."""
+    """How a run spreads over processes. ``backend``: ``"single"``, ``"ddp"``, ``"deepspeed"`` or ``"fsdp"``."""
 
-    kind: str = "single"
+    backend: str = "single"
     num_processes: int = 1
     zero_stage: int | None = None
     fsdp_version: int | None = None
@@ -48,17 +48,17 @@ class Layout:
 
     @property
     def label(self) -> str:
-        if self.kind == "deepspeed":
+        if self.backend == "deepspeed":
             return f"DeepSpeed ZeRO-{self.zero_stage}" if self.zero_stage is not None else "DeepSpeed"
-        if self.kind == "fsdp":
+        if self.backend == "fsdp":
             return f"FSDP{self.fsdp_version}" if self.fsdp_version else "FSDP"
-        if self.kind == "ddp":
+        if self.backend == "ddp":
             return f"DDP ({self.num_processes} processes)"
         return "one process"
 
     @property
     def sharded(self) -> bool:
-        return self.kind in ("deepspeed", "fsdp")
+        return self.backend in ("deepspeed", "fsdp")
 
 
 def _env_true(environ, name: str) -> bool:
@@ -116,14 +116,14 @@ def detect(trainer) -> Layout:
     if getattr(trainer, "is_deepspeed_enabled", False):
         stage = _int_or_none(getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", None))
         return Layout("deepspeed", processes, stage if stage is not None else requested.zero_stage,
-                      source=requested.source if requested.kind == "deepspeed" else
+                      source=requested.source if requested.backend == "deepspeed" else
                       "the trainer (is_deepspeed_enabled)")
     if getattr(trainer, "is_fsdp_enabled", False):
         version = _int_or_none(getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None))
         return Layout("fsdp", processes, fsdp_version=version or requested.fsdp_version,
-                      source=requested.source if requested.kind == "fsdp" else "the trainer (is_fsdp_enabled)")
+                      source=requested.source if requested.backend == "fsdp" else "the trainer (is_fsdp_enabled)")
     if requested.sharded:  # asked for, but this trainer did not turn it on (e.g. FSDP on a CPU-only machine)
-        return Layout(requested.kind, processes, requested.zero_stage, requested.fsdp_version,
+        return Layout(requested.backend, processes, requested.zero_stage, requested.fsdp_version,
                       source=requested.source + ", not active in this trainer")
     if processes > 1:
         return Layout("ddp", processes, source="the trainer's accelerator")
@@ -133,28 +133,29 @@ def detect(trainer) -> Layout:
 # -- support ----------------------------------------------------------------------------------------------------
 def refusal(capability, layout: Layout) -> str | None:
     """Why ``capability`` (a class) does not run under ``layout``; None: it does."""
-    if layout.kind == "single":
+    if layout.backend == "single":
         return None
     layouts = getattr(capability, "layouts", {}) or {}
-    if layout.kind not in layouts:
+    if layout.backend not in layouts:
         return "it has not been made to run with many processes"
-    reason = layouts[layout.kind]
+    reason = layouts[layout.backend]
     if isinstance(reason, dict):  # per ZeRO stage / FSDP version: {stage: reason or None}
-        key = layout.zero_stage if layout.kind == "deepspeed" else layout.fsdp_version
+        key = layout.zero_stage if layout.backend == "deepspeed" else layout.fsdp_version
         reason = reason.get(key, reason.get(None, "this stage/version is not supported"))
     return reason
 
 
-def admit(capability, args, layout: Layout) -> bool:
+def admit(capability, args, layout: Layout, capabilities=()) -> bool:
     """Whether ``capability`` (a class) runs under ``layout``: True; or, refused, a ``ValueError`` naming the
     capability, the layout, where it was asked for and the field that turns the capability off — or False with one
-    warning for a capability that is on by default and was not asked for (``soft_default(args)``)."""
+    warning for a capability that is on by default and was not asked for (``soft_default(args, capabilities)``;
+    ``capabilities``: the run's capability list, which it may ask what samples)."""
     reason = refusal(capability, layout)
     if reason is None:
         return True
     where = f" (asked for by {layout.source})" if layout.source else ""
     soft = getattr(capability, "soft_default", None)
-    level = soft(args) if soft is not None else False
+    level = soft(args, capabilities) if soft is not None else False
     if level:
         log = logger.info if level == "info" else logger.warning
         log("%s is off with %s%s: %s. Set %s to silence this.", capability.name, layout.label, where, reason,

@@ -16,6 +16,7 @@ PHASES = (PERSISTENT, TRAINING, GENERATION)
 
 GIB = 2**30
 MIB = 2**20
+FP32, HALF = 4, 2  # element bytes of fp32 and of a 16-bit dtype (bf16, fp16)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from .capability import check_choice
 from .sampling import vllm_dtype  # noqa: F401 (the dtype a colocated engine is started with: the decision's)
 
 logger = logging.getLogger("trl_fp8.precision")
@@ -97,6 +96,8 @@ def resolve_precision(args, capabilities=()) -> str | None:
     asked = args.precision
     if asked is None:
         return None
+    from .capability import check_choice  # here: the plan reads PrecisionArgs without torch
+
     check_choice("precision", asked, PRECISIONS)
     if asked == "auto":
         resolved, why = decide(args)

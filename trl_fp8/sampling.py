@@ -150,7 +150,10 @@ class SamplingDecision:
     """Who samples and what it is sent (see the module docstring for the kinds). ``owner``: the capability whose
     offer serves it (None: TRL; :data:`BUILTIN_OWNER`: adapter serving no capability offers); ``vllm``: ``"off"``,
     ``"colocate"`` or ``"server"``; ``serving``: ``"adapters"`` / ``"merged"`` for a LoRA policy, else None;
-    ``engine``: what the vLLM engine loads (None without vLLM)."""
+    ``engine``: what the vLLM engine loads (None without vLLM); ``derived_stream``: what a sync sends is computed
+    anew at each sync rather than held anyway (the adapters rounded to the engine's dtype when no capability serves
+    them; fast QLoRA's ``dequant(W) + ΔW``): the weight-sync checks then keep a copy of it. What each kind installs,
+    tears down and hands the checks is its handler's (:mod:`trl_fp8.kinds`)."""
 
     kind: str
     owner: str | None
@@ -159,6 +162,7 @@ class SamplingDecision:
     engine: EngineBuild | None
     facts: ModelFacts = field(default_factory=ModelFacts)
     notes: tuple[str, ...] = ()
+    derived_stream: bool = False
 
     @property
     def adapters(self) -> bool:
@@ -278,7 +282,7 @@ def vllm_platform_is_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def decide_for(model, args, peft_config=None, quantization_config=None, capabilities=None) -> SamplingDecision:
+def decide_for(model, args, peft_config=None, quantization_config=None, capabilities=()) -> SamplingDecision:
     """The decision for a ``GRPOTrainer(model, args=args, peft_config=..., quantization_config=...)`` call, before
     anything loads (what the trainer and ``trl-fp8 grpo`` make): the facts of that call, the platform vLLM runs on."""
     facts = model_facts(model, args, peft_config, quantization_config)
@@ -297,19 +301,15 @@ def vllm_dtype(args) -> str | None:
 def vllm_mode(args) -> str:
     if not getattr(args, "use_vllm", False):
         return "off"
-    return getattr(args, "vllm_mode", None) or "server"
+    return getattr(args, "vllm_mode", None) or "colocate"  # TRL's default
 
 
-def decide(args, facts: ModelFacts, capabilities=None, platform: str = "cuda") -> SamplingDecision:
-    """The sampling decision for ``args`` and ``facts`` (``capabilities``: the capability classes, default the
-    registered list; ``platform``: ``"cuda"`` or ``"cpu"``, where a colocated engine runs — it decides whether
+def decide(args, facts: ModelFacts, capabilities, platform: str = "cuda") -> SamplingDecision:
+    """The sampling decision for ``args`` and ``facts`` (``capabilities``: the capability classes,
+    :data:`trl_fp8.registry.CAPABILITIES` for the trainer, the plan's own list for a plan; ``platform``: ``"cuda"`` or ``"cpu"``, where a colocated engine runs — it decides whether
     bitsandbytes weights can be loaded). Raises ``ValueError`` naming the fields for a combination that cannot run."""
     from . import composition, serving
 
-    if capabilities is None:
-        from .capability import registered
-
-        capabilities = registered()
     mode = vllm_mode(args)
     lora_serving = serving.resolved(args) if facts.lora is not None else None
     offers = {cap: kind for cap in capabilities if cap.wanted(args)
@@ -337,8 +337,12 @@ def decide(args, facts: ModelFacts, capabilities=None, platform: str = "cuda") -
     if kind in ADAPTER_KINDS:
         _check_adapters(args, facts, kind)
     engine = _engine(args, facts, kind, mode, platform)
+    # the stream a sync sends is computed anew (not held anyway): adapters no capability serves are rounded at each
+    # sync; a capability says so of its own stream (``derived_stream``)
+    derived = owner == BUILTIN_OWNER or (kind in (DENSE_STREAM, *ADAPTER_KINDS) and winner_cls is not None
+                                         and bool(getattr(winner_cls, "derived_stream", False)))
     return SamplingDecision(kind=kind, owner=owner, vllm=mode, serving=lora_serving, engine=engine, facts=facts,
-                            notes=tuple(notes))
+                            notes=tuple(notes), derived_stream=derived)
 
 
 def _check_adapters(args, facts: ModelFacts, kind: str) -> None:

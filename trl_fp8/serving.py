@@ -6,8 +6,10 @@ to) the base is loaded once and never copied, merged or re-exported; only the ad
 Cast's rounding rule) and sent. ``"merged"`` serves ``W + ΔW`` as one dense tensor per layer: a dense copy of the
 model beside the learner, and a merge that rounds a small ΔW away (see docs/will-it-fit.md for the bytes).
 
-The field matters only where a trl_fp8 capability serves the sampler (Fair Cast; fast QLoRA with vLLM): with every
-trl_fp8 capability off, TRL's own path runs, whatever the field says.
+The field matters where trl_fp8 serves the sampler: where a capability does (Fair Cast; fast QLoRA with vLLM), and for
+a LoRA policy over a 4-bit base with vLLM even with every capability off (TRL would merge the adapters into 4-bit
+weights; trl_fp8 pushes them as adapter versions: :func:`trl_fp8.sampling.decide`). Otherwise, with every trl_fp8
+capability off, TRL's own path runs, whatever the field says.
 """
 
 from __future__ import annotations

@@ -2,13 +2,16 @@
 
 The trainer is the composer only: it holds the ordered list of the capabilities a run asks for
 (:data:`trl_fp8.registry.CAPABILITIES`) and calls their hooks (:class:`trl_fp8.capability.Capability`) at
-fixed points of TRL's step. Who generates and what the sampler is sent is one declared offer
-(:class:`~trl_fp8.capability.SamplerOffer`), resolved once after set-up and installed here; every sync of it (the
-in-process twin's, here; TRL's vLLM sync, wrapped once) is observed by every capability (the weight-sync checks).
+fixed points of TRL's step. Who generates and what the sampler is sent is one sampling decision
+(:mod:`trl_fp8.sampling`), made before TRL builds anything; after set-up the owner it names makes its offer
+(:class:`~trl_fp8.capability.SamplerOffer`), which the decision's kind handler (:mod:`trl_fp8.kinds`) installs; every
+sync of it (the in-process twin's, here; TRL's vLLM sync, wrapped once) is observed by every capability (the
+weight-sync checks).
 A capability may replace the in-process generation path or the vLLM engine call (DUET), and record the sampler's
 logprobs on the way (the checks). Every TRL-private name it touches goes through :mod:`trl_fp8._trl`. With every trl_fp8 field
 of :class:`trl_fp8.GRPOConfig` at its default the list is empty and training is TRL's, step for step
-(``tests/test_trainer.py`` proves it bit for bit on CPU).
+(``tests/test_trainer.py`` proves it bit for bit on CPU) — with one exception: a LoRA policy over a 4-bit base with
+vLLM is served as base + adapters (TRL would merge the adapters into 4-bit weights).
 """
 
 from __future__ import annotations
@@ -19,62 +22,14 @@ import logging
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from . import _trl, checkpoints, composition, distributed, models, sampling, trackers
+from . import _trl, checkpoints, composition, distributed, kinds, models, sampling, trackers
 from .registry import CAPABILITIES
 from .capability import GENERATION_PATH_HONOURS, Capability, SamplerOffer, StopNow
 from .config import GRPOConfig
-from . import numerics as _numerics
 from .metrics import MetricsJsonlCallback
 from .samplers import SyncLog
 
 logger = logging.getLogger("trl_fp8")
-
-
-def _install_nothing(trainer, offer):
-    """In-process kinds (a twin, the rollout cache): the offer's sampler is all; the trainer syncs a twin itself."""
-    return None
-
-
-def _install_dense_stream(trainer, offer):
-    """A dense stream to vLLM: the offer's ``vllm_stream`` becomes what TRL's sync iterates."""
-    _trl.set_vllm_stream(trainer.vllm_generation, offer.vllm_stream or offer.stream)
-    return None
-
-
-def _install_lora_versions(trainer, offer):
-    """LoRA versions to a colocated engine: the owner's stream of served factors (Fair Cast), else the adapters
-    rounded to the engine's dtype (what TRL's own cast would send); the decision's LoRA spec."""
-    from .samplers import install_vllm_lora, rounded_adapter_stream
-
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if offer.stream is None:
-        dtype = _trl.vllm_engine_dtype(trainer.vllm_generation)
-        offer.dtype = _numerics.torch_dtype(dtype) if dtype is not None else torch.bfloat16
-        offer.stream = rounded_adapter_stream(model, lambda: offer.dtype)
-    return install_vllm_lora(trainer, model, offer.stream, trainer.sampling)
-
-
-def _install_lora_server(trainer, offer):
-    """LoRA versions to a ``trl-fp8 vllm-serve`` server: as to a colocated engine, over HTTP (one process)."""
-    from .samplers import install_server_lora, rounded_adapter_stream
-
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if offer.stream is None:
-        offer.stream = rounded_adapter_stream(model, lambda: offer.dtype)
-    sampler = install_server_lora(trainer, offer.stream, trainer.sampling)
-    if offer.dtype is None:
-        offer.dtype = sampler.lora.dtype
-    return sampler
-
-
-# One installer per kind of sampling decision (trl_fp8.sampling); "trl" installs nothing (TRL's own).
-INSTALLERS = {
-    sampling.DENSE_STREAM: _install_dense_stream,
-    sampling.LORA_VERSIONS: _install_lora_versions,
-    sampling.LORA_SERVER: _install_lora_server,
-    sampling.TWIN: _install_nothing,
-    sampling.ROLLOUT_CACHE: _install_nothing,
-}
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -105,7 +60,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         self.capabilities = {}
         layout = distributed.detect(self)  # DeepSpeed/FSDP from args, an accelerate config or the trainer itself
         for cls in CAPABILITIES:  # set-up order is list order
-            if cls.wanted(self.args) and distributed.admit(cls, self.args, layout):
+            if cls.wanted(self.args) and distributed.admit(cls, self.args, layout, CAPABILITIES):
                 capability = cls()
                 self.capabilities[cls.name] = capability  # visible to those set up after it
                 if capability.setup(self) is False:
@@ -145,8 +100,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
     # -- the sampler: one offer, resolved and installed once; every sync observed -------------------------------
     def _install_sampler(self) -> None:
         """Install what the sampling decision (``self.sampling``) says: the owner's offer (its stream, dtype, sampler),
-        with the one installer registered for the decision's kind (:data:`INSTALLERS`: e.g. a dense stream set as
-        TRL's vLLM stream, or LoRA versions pushed to the engine); tell every capability (``sampler_ready``: e.g. the
+        with the decision's kind handler (:func:`trl_fp8.kinds.handler`: e.g. a dense stream set as TRL's vLLM
+        stream, or LoRA versions pushed to the engine); tell every capability (``sampler_ready``: e.g. the
         checks build both sides of the comparison), and put the capabilities around TRL's vLLM sync as observers
         (``before_sync`` / ``after_sync``). Then print the decision where the user sees it."""
         self._sampler_offer = None
@@ -154,7 +109,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if decision is None:
             return
         if self.capabilities:
-            composition.check_offers(self)  # two undeclared offers fail here, not at the first generation
+            composition.check_replacements(self)  # two undeclared replacements fail here, not at the first generation
         offer = None
         if decision.owner is not None and decision.owner != sampling.BUILTIN_OWNER:
             owner = self.capabilities.get(decision.owner)
@@ -168,20 +123,20 @@ class GRPOTrainer(_TRLGRPOTrainer):
             offer = SamplerOffer(owner=decision.owner or "")
         if offer is not None:
             offer.kind = decision.kind
-            installed = INSTALLERS[decision.kind](self, offer)
+            installed = kinds.handler(decision).install(self, offer)
             if installed is not None:
                 offer.sampler = installed
         self._sampler_offer = offer
         for name, capability in list(self.capabilities.items()):
             if capability.sampler_ready(self, offer) is False:
                 del self.capabilities[name]
-        if self.use_vllm and self.capabilities:
+        if decision.vllm != "off" and self.capabilities:
             _trl.wrap_vllm_sync(self.vllm_generation, self._observed_vllm_sync)
         if self.accelerator.is_main_process and (self.capabilities or decision.kind != sampling.TRL):
             for line in decision.describe() + composition.describe(self):
                 self.accelerator.print(line)
 
-    def serving(self) -> SamplerOffer | None:
+    def offer(self) -> SamplerOffer | None:
         """The sampler offer that won (e.g. Fair Cast's served copy and twin, fast QLoRA's rollout cache or dense
         ``dequant(W) + ΔW`` stream, LoRA versions pushed to vLLM), as resolved at set-up; None: TRL's own sampler and
         stream."""
@@ -200,10 +155,10 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def _sync_sampler(self) -> None:
         """Bring an in-process sampler that a sync feeds (e.g. Fair Cast's twin) to the current export, once per
         learner step, with every capability observing the sync."""
-        offer = self.serving()
-        sampler = None if offer is None else offer.sampler
-        if sampler is None or self.use_vllm or not getattr(sampler, "synced", False) or offer.stream is None:
+        offer = self.offer()
+        if self.sampling is None or not kinds.handler(self.sampling).synced(offer):
             return
+        sampler = offer.sampler
         step = int(self.state.global_step)
         if sampler.version() == step:
             return
@@ -218,7 +173,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def _generation_model(self):
         """The in-process model to generate with instead of the learner (e.g. Fair Cast's twin), synced to the current
         export first; None when the learner generates itself."""
-        offer = self.serving()
+        offer = self.offer()
         if offer is None or offer.model is None:
             return None
         self._sync_sampler()
@@ -323,12 +278,12 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     def end(self):
         """TRL's ``end()`` (trackers finished, process group destroyed), after shutting a colocated vLLM engine down
-        in order (otherwise vLLM's exit hook later destroys groups that no longer exist and prints a traceback), and,
-        with adapter versions to a server, after unloading the last version and removing its RAM-backed folder."""
+        in order (otherwise vLLM's exit hook later destroys groups that no longer exist and prints a traceback), and
+        after the decision's kind handler took back what the run left (with adapter versions to a server: the last
+        version unloaded and its RAM-backed folder removed)."""
         _trl.shutdown_trainer_vllm(self)
-        stream = getattr(getattr(self.serving(), "sampler", None), "lora", None)
-        if stream is not None and hasattr(stream, "close") and getattr(self.sampling, "vllm", None) == "server":
-            stream.close()  # the server forgets the run's last version and keeps serving its base
+        if self.sampling is not None:
+            kinds.handler(self.sampling).teardown(self, self.offer())
         super().end()
 
     # -- checkpoints: atomic, each capability's state inside, resumed from the newest complete one -----------------

@@ -20,17 +20,17 @@ ARGS = SimpleNamespace(deepspeed=None, fsdp=None, fsdp_config=None)
 
 def test_detect_config_reads_args_and_the_accelerate_environment():
     assert detect_config(ARGS, {}) == Layout("single", 1)
-    assert detect_config(ARGS, {"WORLD_SIZE": "2"}).kind == "ddp"
+    assert detect_config(ARGS, {"WORLD_SIZE": "2"}).backend == "ddp"
     ds = detect_config(SimpleNamespace(**(ARGS.__dict__ | {"deepspeed": {"zero_optimization": {"stage": 3}}})), {})
-    assert (ds.kind, ds.zero_stage, ds.source) == ("deepspeed", 3, "args.deepspeed")
+    assert (ds.backend, ds.zero_stage, ds.source) == ("deepspeed", 3, "args.deepspeed")
     env = detect_config(ARGS, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
                                "WORLD_SIZE": "8"})
-    assert (env.kind, env.zero_stage, env.num_processes, env.label) == ("deepspeed", 2, 8, "DeepSpeed ZeRO-2")
+    assert (env.backend, env.zero_stage, env.num_processes, env.label) == ("deepspeed", 2, 8, "DeepSpeed ZeRO-2")
     assert "ACCELERATE_USE_DEEPSPEED" in env.source
     plugin = detect_config(SimpleNamespace(**(ARGS.__dict__ | {"deepspeed_plugin": SimpleNamespace(zero_stage=1)})), {})
-    assert (plugin.kind, plugin.zero_stage) == ("deepspeed", 1)
+    assert (plugin.backend, plugin.zero_stage) == ("deepspeed", 1)
     fsdp = detect_config(ARGS, {"ACCELERATE_USE_FSDP": "True", "FSDP_VERSION": "2"})
-    assert (fsdp.kind, fsdp.fsdp_version, fsdp.label) == ("fsdp", 2, "FSDP2")
+    assert (fsdp.backend, fsdp.fsdp_version, fsdp.label) == ("fsdp", 2, "FSDP2")
     assert detect_config(SimpleNamespace(**(ARGS.__dict__ | {"fsdp": ["full_shard"]})), {}).label == "FSDP1"
 
 
@@ -44,7 +44,7 @@ def _trainer(**kw):
 def test_detect_at_trainer_start(monkeypatch):
     for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    assert detect(_trainer()).kind == "single"
+    assert detect(_trainer()).backend == "single"
     assert detect(_trainer(processes=2)).label == "DDP (2 processes)"
     ds = detect(_trainer(is_deepspeed_enabled=True, plugin=SimpleNamespace(zero_stage=3), processes=2))
     assert ds.label == "DeepSpeed ZeRO-3" and "is_deepspeed_enabled" in ds.source

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trl_fp8.fair_cast import _native
+from trl_fp8 import native as _native
 from trl_fp8.fair_cast import rounding as R
 from trl_fp8.fair_cast.rounding import ErrorFeedback, error_feedback_round, neighbours, stochastic_round, ulp
 

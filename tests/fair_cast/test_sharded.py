@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from trl_fp8.fair_cast import _native, rounding
+from trl_fp8 import native as _native
+from trl_fp8.fair_cast import rounding
 from trl_fp8.fair_cast.served import ParamUnit, ServedCopy
 from trl_fp8.fair_cast.sharded import (ShardUnit, load_sharded_state, reshard, save_sharded_state,
                                        shard_state_file, sharded_state_dict)

@@ -260,7 +260,7 @@ def test_the_rollout_cache_is_a_sampler_the_logprob_check_compares(tmp_path, dem
     # a separate numerics path. The logprob check compares it on every generation, against a cache built afresh.
     trainer = _trainer(tmp_path, demo_dir, max_steps=6, qlora_cache_dtype="bfloat16", sync_checks="default")
     checks = trainer.capability("sync_checks")
-    assert checks is not None and checks.monitor.sampler.kind == "rollout cache"
+    assert checks is not None and checks.monitor.sampler.label == "rollout cache"
     assert checks.monitor.checks == ("logprob_agreement",)  # nothing is synced into it: the other checks cannot apply
     trainer.train()
     assert checks.monitor.failures == [] and checks.monitor.compared == {"logprob_agreement": 6}

@@ -214,7 +214,7 @@ def test_fast_qlora_serves_dequant_plus_delta_to_a_16bit_engine(tmp_path, demo_d
     assert qlora is not None and qlora.vllm_export is not None and trainer.capability("fair_cast") is None
     dtype = qlora.vllm_export.dtype()
     engine = _assert_dense_engine(trainer, dtype)
-    assert trainer.serving().dtype == dtype and trainer.serving().sampler is None
+    assert trainer.offer().dtype == dtype and trainer.offer().sampler is None
     n_layers = len(qlora.layers)
     assert len(qlora.kept_layers()) == (0 if keep_budget == 0 else n_layers)
 

@@ -25,7 +25,7 @@ def test_7b_qlora_with_every_capability_fits_a_t4(qlora_7b_t4):
     plan = qlora_7b_t4
     assert plan.fits and plan.total < resolve_device("t4").usable == int(14.7 * GIB)
     rows = plan.by_category()
-    linears = [t.numel for t in MODELS["qwen2.5-7b"].tensors() if t.kind == "linear"]
+    linears = [t.numel for t in MODELS["qwen2.5-7b"].tensors() if t.role == "linear"]
     assert rows["base"] == sum(QuantSpec().weight_bytes(n) for n in linears) + 2 * (P7 - sum(linears))
     assert rows["adapters"] == 4 * A7  # fp32 masters: Fair Cast's adapter serving upcasts TRL's bf16 factors
     assert rows["fair_cast/master"] == 4 * A7 and rows["fair_cast/served"] == 2 * A7

@@ -94,8 +94,9 @@ def test_the_plan_counts_one_comparison_group_where_a_sync_is_checked():
 
     from trl_fp8.sync_checks import memory
 
-    def spec(checks, kind="twin"):
-        return SimpleNamespace(args=SimpleNamespace(sync_checks=checks), extra={"sampler": {"kind": kind}},
+    def spec(checks, kind="twin"):  # a twin, or TRL without vLLM (the learner generates)
+        return SimpleNamespace(args=SimpleNamespace(sync_checks=checks), decision=SimpleNamespace(kind=kind),
+                               vllm="off", base_params=1000,
                                rollout=SimpleNamespace(generation_batch=8, completion_length=16))
 
     def group_rows(s):
@@ -103,4 +104,4 @@ def test_the_plan_counts_one_comparison_group_where_a_sync_is_checked():
 
     [row] = group_rows(spec("default"))
     assert row.bytes == memory.COMPARE_GROUP_ELEMENTS * memory.GROUP_BYTES_PER_ELEMENT and not row.exact
-    assert group_rows(spec("logprob_agreement")) == [] and group_rows(spec("default", "policy")) == []
+    assert group_rows(spec("logprob_agreement")) == [] and group_rows(spec("default", "trl")) == []

@@ -60,7 +60,7 @@ def test_quant_parity_catches_a_served_copy_the_learner_does_not_compute_with(tm
     """The sampler is sent (and holds: freshness passes) a tensor one ulp off what the learner's parameter holds: the
     loss would train a model the sampler does not serve."""
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["freshness", "quant_parity"])
-    offer = trainer.serving()
+    offer = trainer.offer()
     stream = offer.stream
 
     def nudged():
@@ -98,7 +98,7 @@ def test_recipe_parity_catches_a_layer_served_in_another_dtype(tmp_path, demo_di
 
 def test_coverage_catches_a_tensor_skipped_by_the_sync(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["coverage"])
-    offer = trainer.serving()  # the sampler offer the trainer installed: its stream is what every sync sends
+    offer = trainer.offer()  # the sampler offer the trainer installed: its stream is what every sync sends
     stream = offer.stream
     offer.stream = lambda: ((n, t) for n, t in stream() if n != TARGET)
     _fails(trainer, "coverage", f"not sent: {TARGET}", f"served but never written: {TARGET}")
@@ -134,7 +134,7 @@ def test_quant_parity_catches_masters_pushed_and_rounded_by_the_sampler(tmp_path
     # nearest. The sampler holds exactly what it was sent (freshness passes) but not the learner's export.
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["freshness", "quant_parity"])
     units = trainer.capability("fair_cast").served.units
-    trainer.serving().stream = lambda: ((n, u.master) for n, u in units.items())  # what every sync now sends
+    trainer.offer().stream = lambda: ((n, u.master) for n, u in units.items())  # what every sync now sends
     message = _fails(trainer, "quant_parity", "differs from the learner's quantizer output")
     assert trainer.capability("sync_checks").monitor.compared["freshness"] == 1  # freshness passed
 
@@ -187,7 +187,7 @@ def test_differential_oracle_catches_a_non_idempotent_load(tmp_path, demo_dir):
 
 def test_warn_action_keeps_training_and_logs_zero(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["coverage"], sync_check_action="warn", max_steps=2)
-    offer = trainer.serving()  # the sampler offer the trainer installed: its stream is what every sync sends
+    offer = trainer.offer()  # the sampler offer the trainer installed: its stream is what every sync sends
     stream = offer.stream
     offer.stream = lambda: ((n, t) for n, t in stream() if n != TARGET)
     with pytest.warns(trl_fp8.WeightSyncWarning, match=f"not sent: {TARGET}"):
@@ -234,7 +234,7 @@ def test_the_tap_leaves_the_model_when_a_generation_is_cut(tmp_path, demo_dir, m
     """The sampler's logprob tap is a forward hook on the generating model: a generation that ends early (a stop, an
     error) must not leave it there."""
     trainer = _trainer(tmp_path, demo_dir, max_steps=2)
-    twin = trainer.serving().model
+    twin = trainer.offer().model
 
     def cut(*args, **kwargs):
         assert twin._forward_hooks  # the tap is on while the generation runs

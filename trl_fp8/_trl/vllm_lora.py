@@ -35,7 +35,7 @@ What vLLM 0.32 offers, read in its installed sources (``vllm/...``):
 
 Use (colocate mode; the run's sampling decision, :mod:`trl_fp8.sampling`, says when and with what)::
 
-    decision = sampling.decide(args, sampling.model_facts(model, args, peft_config))   # kind "lora_versions"
+    decision = sampling.decide(args, sampling.model_facts(model, args, peft_config), CAPABILITIES)  # "lora_versions"
     with _trl.engine_context(decision):         # TRL builds its colocated LLM with LoRA enabled
         trainer = GRPOTrainer(...)
     lora = VLLMLoraStream.install(trainer.vllm_generation, stream, spec,
@@ -43,8 +43,9 @@ Use (colocate mode; the run's sampling decision, :mod:`trl_fp8.sampling`, says w
     # TRL's sync now pushes `stream()` — (PEFT name, served tensor) per LoRA factor, s folded into B — as a new
     # LoRA version, and every request the engine runs asks for it.
 
-Install it *before* the weight-sync checks set up (their ``wrap_vllm_sync`` wraps whatever ``sync_weights`` is then):
-they observe the push through TRL's ``_iter_named_params`` as they observe a dense sync. :meth:`VLLMLoraStream.sampler`
+In a run the ``lora_versions`` kind's handler (:mod:`trl_fp8.kinds`) installs it, before the trainer wraps TRL's
+``sync_weights`` once for the observers of every sync: the weight-sync checks see the push through TRL's
+``_iter_named_params`` as they see a dense sync. :meth:`VLLMLoraStream.sampler`
 is the :class:`~trl_fp8.samplers.Sampler` they read back (the engine's stacked LoRA buffers under PEFT names).
 Observable for the checks: :attr:`VLLMLoraStream.pushes` (version, LoRA id, names per push), ``last_sent`` (the
 tensors of the last push), :attr:`VLLMLoraStream.generated` (the versions finished requests report they were
@@ -55,19 +56,17 @@ given tokens through the engine's LoRA path), and ``on_push`` callbacks.
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import numerics
 from ..sampling import VLLM_LORA_RANKS, LoraFacts, engine_rank  # noqa: F401 (re-exported)
+from .adapter_versions import PUSH_HISTORY, AdapterVersionStream  # noqa: F401 (PUSH_HISTORY re-exported)
 from .vllm_engine import (
     engine_sequence_logprobs,
     set_vllm_stream,
     set_vllm_weight_version,
-    vllm_cached_blocks,
 )
 
 # The request's path for an in-memory version: a path no folder can ever have, so vLLM never loads from disk a version
@@ -76,7 +75,6 @@ from .vllm_engine import (
 # and a folder ``trl-fp8:/in-memory/<name>`` there would have been loaded. ``/dev/null`` is a device file on every
 # POSIX system vLLM runs on, never a folder: nothing can exist below it (ENOTDIR), whoever tries to create it.
 LORA_PATH = "/dev/null/trl-fp8-in-memory/{name}"
-PUSH_HISTORY = 8  # pushes kept in memory (labels, ids, names): bounded, whatever the run's length
 LoraEngineSpec = LoraFacts  # what the engine is started with for a run's adapters (trl_fp8.sampling)
 
 
@@ -156,7 +154,7 @@ class Push:
     shapes: dict[str, tuple] = field(default_factory=dict)
 
 
-class VLLMLoraStream:
+class VLLMLoraStream(AdapterVersionStream):
     """The adapter stream TRL's colocated vLLM engine is sent, pushed in memory as one LoRA version per sync.
 
     ``stream()``: an iterable of ``(PEFT name, tensor)``, one per LoRA factor of ``spec.adapter``, tensors in the
@@ -167,21 +165,13 @@ class VLLMLoraStream:
     """
 
     def __init__(self, generation, stream, spec: LoraEngineSpec, version_fn=None):
-        self.generation = generation
+        super().__init__(generation, stream, spec, version_fn)
         self.llm = generation.llm
-        self.stream = stream
-        self.spec = spec
-        self.version_fn = version_fn
         self.manager = lora_manager(self.llm)
         self.dtype = self.manager.lora_config.lora_dtype
         self.current: Push | None = None
-        self.pushes: collections.deque[Push] = collections.deque(maxlen=PUSH_HISTORY)  # the latest pushes only
-        self.push_count = 0
         self.max_loras = int(getattr(self.manager.lora_config, "max_loras", 1) or 1)
-        self.last_sent: dict[str, torch.Tensor] = {}  # PEFT name -> the last push's tensors, as sent (CPU copies)
-        self.generated: collections.Counter = collections.Counter()  # version -> finished requests generated with it
         self.last_generated = None  # the version the last finished request was generated with (None: the base)
-        self._unread: collections.Counter = collections.Counter()  # generated since the last rollout_versions()
         self.on_push: list = []  # callbacks (push: Push, sent: dict[name, tensor])
         self.base_pushed: list[str] = []  # dense base weights loaded once (push_base), by vLLM name
         self._ids = itertools.count(1)
@@ -205,17 +195,6 @@ class VLLMLoraStream:
         generation.sync_weights = lora.sync
         lora._hook_engine()
         return lora
-
-    # -- TRL's side ----------------------------------------------------------------------------------------------
-    def __call__(self):
-        """TRL's ``_iter_named_params`` on this instance: the adapter factors (what the checks' tap records)."""
-        yield from self.stream()
-
-    def sync(self) -> None:
-        """TRL's ``sync_weights`` on this instance: the stream (through ``_iter_named_params``, so a wrapper's tap
-        sees it) pushed as a new LoRA version. No ``merge_adapter``, no dense tensor."""
-        version = self.version_fn() if self.version_fn is not None else None
-        self.push(self.generation._iter_named_params(), version)
 
     # -- the push ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -335,8 +314,7 @@ class VLLMLoraStream:
                 if getattr(output, "finished", False):
                     request = getattr(output, "lora_request", None)
                     version = None if request is None else self._versions.get(request.lora_int_id, "unknown")
-                    self.generated[version] += 1
-                    self._unread[version] += 1
+                    self._count_generated(version)
                     self.last_generated = version
             return outputs
 
@@ -354,12 +332,6 @@ class VLLMLoraStream:
             del vars(generation)["sync_weights"]
         if vars(generation).get("_iter_named_params") is self:
             del vars(generation)["_iter_named_params"]
-
-    def rollout_versions(self) -> collections.Counter:
-        """The versions the requests finished since the last call were generated with (None: no LoRA request, i.e.
-        the bare base; ``"unknown"``: a LoRA id this stream never pushed), and how many of each; then forgets them."""
-        out, self._unread = self._unread, collections.Counter()
-        return out
 
     def resident_ids(self) -> list[int]:
         """The LoRA int ids in the engine's LoRA slots now."""

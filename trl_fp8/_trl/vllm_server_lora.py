@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import base64
-import collections
 import json
 import os
 import shutil
@@ -37,8 +36,7 @@ import tempfile
 import torch
 
 from ..sampling import WORKER_EXTENSION
-
-PUSH_HISTORY = 8
+from .adapter_versions import AdapterVersionStream
 NAME_PREFIX = "trl_fp8-v"
 
 
@@ -63,7 +61,7 @@ def ram_root() -> str:
     return tempfile.mkdtemp(prefix="trl_fp8_adapters_", dir=base)
 
 
-class VLLMServerLoraStream:
+class VLLMServerLoraStream(AdapterVersionStream):
     """The adapter stream a ``trl-fp8 vllm-serve`` server is sent, one LoRA version per sync (see the module
     docstring). ``stream()``: ``(PEFT name, factor in the engine's dtype)`` with the scaling folded into B;
     ``spec``: the run's :class:`~trl_fp8.sampling.LoraFacts`. Replaces, on this ``generation`` instance only, TRL's
@@ -71,20 +69,12 @@ class VLLMServerLoraStream:
     asked for and the version each response names is counted)."""
 
     def __init__(self, generation, stream, spec, version_fn=None, root: str | None = None):
-        self.generation = generation
+        super().__init__(generation, stream, spec, version_fn)
         self.client = generation.vllm_client
-        self.stream = stream
-        self.spec = spec
-        self.version_fn = version_fn
         self.root = root or ram_root()
         atexit.register(shutil.rmtree, self.root, True)  # RAM-backed: never left behind, however the run ends
         self.base_model = self.client.model
         self.current = None  # (name, version label, lora id)
-        self.pushes: collections.deque = collections.deque(maxlen=PUSH_HISTORY)
-        self.push_count = 0
-        self.last_sent: dict[str, torch.Tensor] = {}
-        self.generated: collections.Counter = collections.Counter()
-        self._unread: collections.Counter = collections.Counter()
         self._labels: dict[str, object] = {}  # served name -> version label
         self._read: tuple | None = None  # (name, {PEFT name: tensor}) of the last read-back
         info = self.client.get_server_info()
@@ -108,14 +98,6 @@ class VLLMServerLoraStream:
         generation.sync_weights = lora.sync
         lora._hook_client()
         return lora
-
-    # -- TRL's side ----------------------------------------------------------------------------------------------
-    def __call__(self):
-        yield from self.stream()
-
-    def sync(self) -> None:
-        version = self.version_fn() if self.version_fn is not None else None
-        self.push(self.generation._iter_named_params(), version)
 
     # -- the push ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -211,10 +193,6 @@ class VLLMServerLoraStream:
             self.current = (self.current[0], version, self.current[2])
             self._labels[self.current[0]] = version
 
-    def rollout_versions(self) -> collections.Counter:
-        out, self._unread = self._unread, collections.Counter()
-        return out
-
     # -- the client's side -----------------------------------------------------------------------------------------
     def _hook_client(self) -> None:
         client, post = self.client, self.client._post
@@ -225,9 +203,7 @@ class VLLMServerLoraStream:
             if recording and url.endswith("/v1/completions"):
                 label = self._labels.get(response.get("model"), None if response.get("model") == self.base_model
                                          else f"unknown ({response.get('model')})")
-                n = len(response.get("choices", ()))
-                self.generated[label] += n
-                self._unread[label] += n
+                self._count_generated(label, len(response.get("choices", ())))
             return response
 
         generate = client.generate

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
@@ -15,46 +14,13 @@ from ..capability import Capability, Conflict, SamplerOffer, check_choice
 from ..samplers import TransformersSampler
 from .callback import FairCastCallback
 from .rounding import SERVED_DTYPES
-from .served import EXPORT_MODES, ParamUnit, ServedCopy
+from .served import ParamUnit, ServedCopy
+from . import declaration
+from .declaration import FairCastArgs, FAIR_CAST_MODES  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("trl_fp8.fair_cast")
-FAIR_CAST_MODES = ("off",) + EXPORT_MODES
 
 
-@dataclass
-class FairCastArgs:
-    fair_cast: str = field(
-        default="off",
-        metadata={
-            "help": "trl_fp8: export rule of the fp32 master into the served copy: 'off' (TRL), 'rtn' "
-            "(round-to-nearest baseline), 'stochastic' or 'error_feedback'; 'rtn_noise' is an experimental "
-            "control for studies (round-to-nearest plus stochastic rounding's noise: the lag kept, the noise added), "
-            "not a rule to train with. When on, the loss runs on the served copy and gradients update the fp32 "
-            "master.",
-            "choices": list(FAIR_CAST_MODES),
-        },
-    )
-    served_dtype: str = field(
-        default="bfloat16",
-        metadata={
-            "help": "trl_fp8: dtype of the served copy with Fair Cast: 'bfloat16' or 'float16' (e.g. T4).",
-            "choices": list(SERVED_DTYPES),
-        },
-    )
-    fair_cast_seed: int | None = field(
-        default=None,
-        metadata={"help": "trl_fp8: seed of Fair Cast's stochastic rounding; default: derived from `seed`."},
-    )
-
-    @property
-    def fair_cast_on(self) -> bool:
-        return self.fair_cast != "off"
-
-    def resolved_fair_cast_seed(self) -> int:
-        """The SR seed: `fair_cast_seed`, or a fixed function of `seed` (so runs are reproducible)."""
-        if self.fair_cast_seed is not None:
-            return int(self.fair_cast_seed)
-        return (int(self.seed) * 0x9E3779B1 + 0xFA1C) & 0x7FFFFFFF
 
 
 def _refuse_unsupported_peft(model) -> None:
@@ -90,8 +56,8 @@ class FairCast(Capability):
                 "is trl_fp8.fair_cast.sharded)",
     }
     off_hint = "fair_cast='off'"
-    after = ("mxfp8", "fast_qlora")  # they change the policy's layers before the twin copies it
-    overrides = ("fast_qlora",)  # over a 4-bit base, Fair Cast's served copy (W + ΔW) is what the sampler gets
+    after = declaration.AFTER
+    overrides = declaration.OVERRIDES
     conflicts = tuple(Conflict(f, "TRL's continuous-batching path casts the model to the mixed-precision dtype in "
                                "place, which silently discards the fp32 master. Use the default transformers "
                                "generation or vLLM.") for f in (
@@ -99,7 +65,7 @@ class FairCast(Capability):
 
     @classmethod
     def wanted(cls, args) -> bool:
-        return getattr(args, "fair_cast", "off") != "off"
+        return declaration.wanted(args)
 
     @classmethod
     def adapt_precision(cls, args, resolved: str) -> str | None:
@@ -112,27 +78,27 @@ class FairCast(Capability):
 
     @classmethod
     def serves(cls, args, facts) -> str | None:
-        from .serves import serves
-
-        return serves(args, facts)
+        return declaration.serves(args, facts)
 
     def offer(self, trainer) -> SamplerOffer | None:
-        """The served copy as what the sampler is sent: to the in-process twin (which then generates), to TRL's vLLM
-        sync (the served tensors in place of its stream), or, for a LoRA policy served as adapters, to the engine's
-        LoRA slots (one version per sync). Adapters in-process: no offer — the policy itself, its factors holding the
-        served values, generates (or fast QLoRA's rollout cache decodes from them)."""
-        if self.adapters:
-            if not trainer.use_vllm:
-                return None
+        """The served copy as what the sampler is sent, for the kind decided (asked only when Fair Cast owns the
+        decision): to the in-process twin (which then generates), to TRL's vLLM sync (the served tensors in place of
+        its stream), or, for a LoRA policy served as adapters, to the engine's LoRA slots (one version per sync).
+        Adapters in-process are no kind of Fair Cast's: the policy itself, its factors holding the served values,
+        generates (or fast QLoRA's rollout cache decodes from them)."""
+        kind = trainer.sampling.kind
+        if kind in sampling.ADAPTER_KINDS:
             return SamplerOffer(self.export_stream, self.dtype, learner_values=self._learner_value)
-        if trainer.use_vllm:
+        if kind == sampling.DENSE_STREAM:
             from .vllm import VLLMExport
 
             self.vllm_export = VLLMExport(trainer.vllm_generation, self.served, self.export_stream)
             return SamplerOffer(self.export_stream, self.dtype, learner_values=self._learner_value,
                                 vllm_stream=self.vllm_export)
-        return SamplerOffer(self.export_stream, self.dtype, sampler=self.sampler, model=self.sampler.model,
-                            numerics=self._twin_numerics, learner_values=self._learner_value)
+        if kind == sampling.TWIN:
+            return SamplerOffer(self.export_stream, self.dtype, sampler=self.sampler, model=self.sampler.model,
+                                numerics=self._twin_numerics, learner_values=self._learner_value)
+        raise RuntimeError(f"Fair Cast was decided the owner of a {kind!r} sampler, which it does not serve")
 
     def _learner_value(self, name: str) -> torch.Tensor | None:
         """What the loss computes with for a served tensor, read from the learner's parameter (which holds the
@@ -197,7 +163,7 @@ class FairCast(Capability):
         self.vllm_export = None
         record = lambda name, value: _trl.record_metric(trainer, name, value)  # noqa: E731
         self.adapters = False
-        if layout.kind == "deepspeed" and layout.zero_stage == 3:
+        if layout.backend == "deepspeed" and layout.zero_stage == 3:
             return self._setup_zero3(trainer, model, record)
         self.adapters = is_peft_model(model) and trainer.sampling.serving == "adapters"  # as decided
         if self.adapters:
@@ -214,10 +180,10 @@ class FairCast(Capability):
         if self.adapters:
             pass  # the policy itself is the served policy: its base as loaded, its factors holding the served values
             # between optimizer steps. No twin; TRL's generation (or fast QLoRA's rollout cache) runs on it, or a
-            # vLLM engine is pushed the served factors as LoRA versions (see offer; server mode: the decision refuses)
-        elif not trainer.use_vllm:
+            # colocated vLLM engine or a server is pushed the served factors as LoRA versions (see offer)
+        elif trainer.sampling.kind == sampling.TWIN:
             self.sampler = TransformersSampler(self._twin(trainer, model, units), describe=trainer.describe_tensors)
-        if layout.kind == "deepspeed":  # ZeRO-1/2: DeepSpeed holds master and served copy
+        if layout.backend == "deepspeed":  # ZeRO-1/2: DeepSpeed holds master and served copy
             from .zero import ZeroFairCast
 
             self.zero = ZeroFairCast(trainer, args.fair_cast, self.dtype, args.resolved_fair_cast_seed(), record)
@@ -234,7 +200,7 @@ class FairCast(Capability):
 
         from .zero import ZeroFairCast, gathered_twin
 
-        if trainer.use_vllm or is_peft_model(model):
+        if trainer.sampling.vllm != "off" or is_peft_model(model):
             raise ValueError("fair_cast under DeepSpeed ZeRO-3 runs with trl_fp8's in-process sampler and a full model "
                              "only (TRL's ZeRO-3 vLLM sync gathers and sends the parameters itself; PEFT merges "
                              "them): use ZeRO-1/2 or DDP for those.")

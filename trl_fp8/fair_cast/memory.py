@@ -69,7 +69,7 @@ def memory_rows(spec) -> list[Row]:
     else:  # merged: W + ΔW served per layer, a dense twin beside the learner
         n = spec.base_params
         lora_layers = sum(t.numel for t in spec.base_tensors()
-                          if t.kind == "linear" and t.projection in spec.lora.targets)
+                          if t.role == "linear" and t.projection in spec.lora.targets)
         rest = n - lora_layers  # embeddings, norms, biases, the head, untargeted linears: a ParamUnit master each
         if spec.quant is None:
             row("Fair Cast fp32 base kept aside (merged serving)", FP32 * lora_layers,
@@ -84,7 +84,7 @@ def memory_rows(spec) -> list[Row]:
         if ef:
             row("Fair Cast error-feedback residual", FP32 * n, per(FP32, "base params", n), "residual")
         # the merged LoRA layers are the trained units: their dense sizes set the sample
-        trained = [t.numel for t in spec.base_tensors() if t.kind == "linear" and t.projection in spec.lora.targets]
+        trained = [t.numel for t in spec.base_tensors() if t.role == "linear" and t.projection in spec.lora.targets]
     k = sum(metric_subset_sizes(trained, METRIC_ELEMENTS))
     row("Fair Cast metric sample", 8 * k + 3 * FP32 * k,
         f"{METRIC_ELEMENTS} sampled elements: int64 index + 3 fp32 samples each (20 B × {k})", "metrics")

@@ -15,7 +15,7 @@ Special values: NaN stays NaN, ±inf stays ±inf, ±0 keeps its sign, subnormals
 Finite values beyond the served dtype's largest finite value saturate to it under SR and EF (RTN gives ±inf).
 
 The bf16 SR kernel adds 16 random bits to the fp32 bit pattern and clears the low 16 bits. On CPU, SR and EF
-run as one fused pass in a small C kernel (:mod:`trl_fp8.fair_cast._native`); on CUDA, SR is one
+run as one fused pass in a small C kernel (:mod:`trl_fp8.native`); on CUDA, SR is one
 ``torch.compile``-generated Triton kernel; elsewhere (or without a compiler) plain PyTorch ops. All paths give
 the same bits (tested).
 """
@@ -29,9 +29,10 @@ import warnings
 
 import torch
 
-from . import _native
+from .. import native as _native
+from . import declaration
 
-SERVED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+SERVED_DTYPES = {name: getattr(torch, name) for name in declaration.SERVED_DTYPES}  # the names: declaration.py
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9

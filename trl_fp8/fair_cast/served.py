@@ -25,8 +25,8 @@ from ..numerics import dtype_name
 from ..serving import folded
 from .memory import METRIC_ELEMENTS, metric_subset_sizes
 from .rounding import error_feedback_round, round_nearest, rtn_plus_noise, stochastic_round, ulp
+from .declaration import EXPORT_MODES
 
-EXPORT_MODES = ("rtn", "stochastic", "error_feedback", "rtn_noise")
 LAG_EMA = 0.9  # EMA factor of the per-step master update used by `lag_steps`
 
 

@@ -10,60 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, fourbit, numerics, sampling, serving
+from .. import _trl, fourbit, sampling, serving
 from ..capability import Capability, Conflict, SamplerOffer, check_choice
 from . import memory
 from .cache import RolloutCache
 from .counters import DequantCounter
 from .layers import PolicyEdits, rank_layers, select_within_budget
+from . import declaration
+from .declaration import FastQLoRAArgs, FAST_QLORA_MODES, CACHE_DTYPES, DEFAULT_KEEP_BUDGET_GB  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("trl_fp8.fast_qlora")
-FAST_QLORA_MODES = ("off", "auto", "on")
-CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 GIB = 2**30
-DEFAULT_KEEP_BUDGET_GB = 0.25
 
 
-@dataclass
-class FastQLoRAArgs:
-    fast_qlora: str = field(
-        default="off",
-        metadata={"help": "trl_fp8: fast QLoRA for a 4-bit (bitsandbytes) base with LoRA adapters: 'off' (TRL), "
-                  "'auto' (on when the policy has 4-bit LoRA layers) or 'on' (refuse to start without them).",
-                  "choices": list(FAST_QLORA_MODES)},
-    )
-    qlora_keep_budget_gb: float = field(
-        default=DEFAULT_KEEP_BUDGET_GB,
-        metadata={"help": "trl_fp8: GiB of dense copies of the 4-bit layers with the highest estimated NF4 error; "
-                  "those never dequantize again (0 = none)."},
-    )
-    qlora_rollout_cache_gb: float | None = field(
-        default=None,
-        metadata={"help": "trl_fp8: GiB of dense dequant(W)+ΔW weights kept for one in-process generation call "
-                  "(0 = no cache; default: the free memory minus a margin, at most 8 GiB)."},
-    )
-    qlora_cache_dtype: str = field(
-        default="auto",
-        metadata={"help": "trl_fp8: dtype of the rollout cache: 'auto' (GPU: the layers' compute dtype; CPU: "
-                  "bfloat16 where the CPU computes it natively, else the compute dtype), 'float32', 'bfloat16' or "
-                  "'float16'.", "choices": list(CACHE_DTYPES)},
-    )
-    qlora_adapter_layers: str = field(
-        default="all",
-        metadata={"help": "trl_fp8: 'all', or k: train the adapters of the top k transformer blocks only (speed "
-                  "mode: the blocks below are frozen and backward stops above them)."},
-    )
-
-    def resolved_adapter_layers(self) -> int | None:
-        """None for 'all', else the number of top blocks whose adapters train."""
-        value = self.qlora_adapter_layers
-        if isinstance(value, str) and value.strip().lower() == "all":
-            return None
-        return int(value)
 
 
 def _check_gb(field_name: str, value, allow_none: bool = False) -> None:
@@ -125,19 +87,18 @@ class FastQLoRA(Capability):
         "fsdp": "FSDP would shard the 4-bit bases its dense copies and rollout cache are built from",
     }
     off_hint = "fast_qlora='off'"
+    derived_stream = declaration.DERIVED_STREAM
     excludes = {"mxfp8": "MXFP8 quantizes dense linears, and a 4-bit base has none to quantize. Use one of the two."}
     conflicts = (Conflict("use_transformers_continuous_batching", "the rollout cache works on the default "
                           "transformers generation path (or with vLLM).", when=lambda args: args.fast_qlora == "on"),)
 
     @classmethod
     def wanted(cls, args) -> bool:
-        return getattr(args, "fast_qlora", "off") != "off"
+        return declaration.wanted(args)
 
     @classmethod
     def serves(cls, args, facts) -> str | None:
-        from .serves import serves
-
-        return serves(args, facts)
+        return declaration.serves(args, facts)
 
     @staticmethod
     def validate(args) -> None:
@@ -255,9 +216,8 @@ class FastQLoRA(Capability):
         return automatic_cache_bytes(self.device) if gb is None else int(gb * GIB)
 
     def generating(self, trainer):
-        offer = trainer.serving()
-        if offer is None or offer.owner != self.name:
-            return contextlib.nullcontext()  # another offer won (e.g. a dense twin generates): nothing dequantizes
+        if trainer.sampling.kind != sampling.ROLLOUT_CACHE:
+            return contextlib.nullcontext()  # another kind was decided (e.g. a dense twin generates): nothing dequantizes
         self.cache.budget_bytes = self.cache_budget_bytes()
         if self.cache.budget_bytes > 0 and not self._dropout_noted:
             self._dropout_noted = True
@@ -281,11 +241,12 @@ class FastQLoRA(Capability):
         in the engine's dtype (``'merged'``)."""
         from ..samplers import RolloutCacheSampler
 
-        if not trainer.use_vllm:
+        kind = trainer.sampling.kind
+        if kind == sampling.ROLLOUT_CACHE:
             return SamplerOffer(sampler=RolloutCacheSampler(),
                                 numerics=lambda: self._cache_numerics(self.cache_dtype, self.cache_budget_bytes()))
-        if trainer.sampling.kind != sampling.DENSE_STREAM:
-            return None  # the engine serves base + adapters (the sampling decision's own adapter serving)
+        if kind != sampling.DENSE_STREAM:
+            raise RuntimeError(f"fast QLoRA was decided the owner of a {kind!r} sampler, which it does not serve")
         from .vllm import QLoRAVLLMExport
 
         dense = self.vllm_export = QLoRAVLLMExport(trainer.vllm_generation, self)  # its dtype: the engine's, read once

@@ -35,7 +35,7 @@ def _dense_bytes(spec) -> int:
     dequantizes to the dtype it quantized from (16-bit as usual; 4 B for an fp32-loaded 4-bit model)."""
     targets = spec.lora.targets
     return sum(spec.base_bytes * t.numel for t in spec.base_tensors()
-               if t.kind in ("linear", "bias") and t.projection in targets)
+               if t.role in ("linear", "bias") and t.projection in targets)
 
 
 def memory_rows(spec) -> list[Row]:
@@ -49,15 +49,17 @@ def memory_rows(spec) -> list[Row]:
         rows.append(Row("fast QLoRA dense copies of kept layers", min(keep, dense),
                         f"{spec.base_bytes} B × base params of the kept layers (at most the {bytes_text(keep)} budget)", PERSISTENT,
                         "fast_qlora", "fast_qlora/dense_copies", exact=False))
-    owner = spec.extra.get("sampler_owner")  # whose sampler offer wins, as the plan resolves it (like the trainer)
+    from .. import sampling
+
+    decision = spec.decision  # the trainer's own sampling decision for this run
     if spec.use_vllm:
-        if owner == "fast_qlora" and spec.lora_serving == "merged":
-            largest = max(t.numel for t in spec.base_tensors() if t.kind == "linear")
+        if decision.owner == "fast_qlora" and decision.kind == sampling.DENSE_STREAM:
+            largest = max(t.numel for t in spec.base_tensors() if t.role == "linear")
             rows.append(Row("fast QLoRA dense stream to vLLM (one layer at a time)", HALF * largest,
                             per(HALF, "params of the largest projection", largest), GENERATION, "fast_qlora"))
         return rows
-    if owner != "fast_qlora":
-        return rows  # another capability's twin generates: no rollout cache
+    if decision.kind != sampling.ROLLOUT_CACHE:
+        return rows  # another kind was decided (e.g. Fair Cast's twin generates): no rollout cache
     budget = getattr(args, "qlora_rollout_cache_gb", None)
     ask = min(dense, CACHE_CAP_BYTES)
     if budget is not None:

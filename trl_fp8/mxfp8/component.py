@@ -4,30 +4,14 @@ and the specs of the layers it quantizes (what the weight-sync checks hold the s
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 from .. import fourbit
 from ..capability import Capability, Conflict, check_choice
-from .convert import DEFAULT_EXCLUDE, KERNELS, MXRecipe, convert_linears, linear_specs, resolve_kernel
+from .convert import KERNELS, MXRecipe, convert_linears, linear_specs, resolve_kernel
+from . import declaration
+from .declaration import MXFP8Args  # noqa: F401 (re-exported)
 
 
-@dataclass
-class MXFP8Args:
-    mxfp8: bool = field(
-        default=False,
-        metadata={"help": "trl_fp8: train linear layers in MXFP8 through torchao (e4m3, 32-element blocks, E8M0 "
-                  "RCEIL scales); the in-process sampler uses the identical quantizer."},
-    )
-    mxfp8_kernel: str = field(
-        default="auto",
-        metadata={"help": "trl_fp8: MXFP8 kernels: 'auto' (SM100 if present, else emulated), 'emulated' or 'sm100' "
-                  "(fail without a Blackwell GPU).", "choices": list(KERNELS)},
-    )
-    mxfp8_exclude: list[str] = field(
-        default_factory=lambda: list(DEFAULT_EXCLUDE),
-        metadata={"help": "trl_fp8: regexes of linear layers kept in high precision with mxfp8=True (default: "
-                  "lm_head, embeddings, MoE router gates)."},
-    )
 
 
 class MXFP8(Capability):
@@ -46,7 +30,7 @@ class MXFP8(Capability):
 
     @classmethod
     def wanted(cls, args) -> bool:
-        return bool(getattr(args, "mxfp8", False))
+        return declaration.wanted(args)
 
     @staticmethod
     def validate(args) -> None:

@@ -25,13 +25,10 @@ from torch import nn
 logger = logging.getLogger("trl_fp8.mxfp8")
 
 from .. import numerics
+from .declaration import DEFAULT_EXCLUDE, KERNELS  # noqa: F401 (re-exported)
 
 BLOCK_SIZE = numerics.MX_BLOCK_SIZE
-KERNELS = ("auto", "emulated", "sm100")
 ROUNDINGS = numerics.MX_SCALE_ROUNDINGS
-# Kept in bf16 on both sides: the output head, embeddings, MoE router gates (a bare `gate`/`router` module — not
-# the dense `gate_proj`, which an over-broad pattern has been seen to skip in the wild).
-DEFAULT_EXCLUDE = (r"(^|\.)lm_head$", r"embed", r"(^|\.)(router|gate)$")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from ..memory import GENERATION, PERSISTENT, TRAINING, Row
 from .activations import Shape, saved_bytes
 from .devices import DEVICES, Device, resolve_device
 from .models import MODELS, Arch, resolve_model
-from .plan import FREE_TIER, Plan, decision_of, make_spec, memory_plan, plan_for, run_args, sampler_of
+from .plan import FREE_TIER, Plan, decision_of, make_spec, plan_for, run_args
+from .suggest import memory_plan
 from .spec import LoraSpec, PlanSpec, QuantSpec, Rollout
 
 
@@ -32,5 +33,5 @@ def saved_tensor_bytes(*args, **kwargs):
 
 __all__ = ["Arch", "DEVICES", "Device", "FREE_TIER", "GENERATION", "LoraSpec", "MODELS", "PERSISTENT", "Plan",
            "PlanSpec", "QuantSpec", "Rollout", "Row", "Shape", "TRAINING", "make_spec", "measure", "memory_plan",
-           "plan_for", "resolve_device", "resolve_model", "run_args", "sampler_of", "decision_of", "saved_bytes",
+           "plan_for", "resolve_device", "resolve_model", "run_args", "decision_of", "saved_bytes",
            "saved_tensor_bytes"]

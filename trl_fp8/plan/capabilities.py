@@ -1,43 +1,52 @@
 """What a plan reads of the capability list and of ``GRPOConfig`` without importing either (they import TRL, which
-takes seconds): each capability's name, when it is switched on (its ``wanted``) and its ``memory_rows`` (the pure
-``memory`` module of its package), in the set-up order of :data:`trl_fp8.registry.CAPABILITIES`; and the class
-defaults of the fields a plan reads. ``tests/plan/test_light.py`` holds both to the real list and the real config:
-same names, same order, same ``wanted`` on every setting it tries, the same rows, the same defaults.
+takes seconds): the list is :data:`trl_fp8.registry.PACKAGES`, and of each package the plan reads the very
+declarations its capability class reads — ``declaration`` (when it is wanted, what it builds on and overrides, what
+it serves the sampler, its config fields and their defaults) and ``memory`` (its rows of the plan).
+
+The one copy left is of TRL's own: :data:`TRL_DEFAULTS`, the class defaults of the ``trl.GRPOConfig`` fields a plan
+reads (``tests/plan/test_hardening.py`` holds them to TRL's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from types import ModuleType
 
 from ..memory import Row
 
 
-def _sync_checks_on(args) -> bool:
-    from ..sync_checks.memory import enabled_checks
-
-    return bool(enabled_checks(getattr(args, "sync_checks", "off")))
-
-
 @dataclass(frozen=True)
 class PlannedCapability:
-    """A capability as a plan sees it: ``wanted(args)``, ``memory_rows(spec)`` (its package's ``memory`` module), and
-    for the sampling decision its ``overrides`` and ``serves(args, facts)`` (its package's ``serves`` module, the very
-    declaration the capability class reads)."""
+    """A capability as a plan sees it: its package's ``declaration`` module, read for ``wanted(args)``, ``after``,
+    ``overrides``, ``derived_stream`` and ``serves(args, facts)``; ``memory_rows(spec)`` from its ``memory`` module."""
 
     name: str
-    on: Callable[[object], bool]
-    overrides: tuple[str, ...] = ()
-    declares_serving: bool = False
+    declaration: ModuleType
+
+    @property
+    def after(self) -> tuple[str, ...]:
+        return tuple(self.declaration.AFTER)
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        return tuple(self.declaration.OVERRIDES)
+
+    @property
+    def excludes(self) -> tuple[str, ...]:
+        return ()  # read by the trainer's config check, not by a plan
+
+    @property
+    def derived_stream(self) -> bool:
+        return bool(self.declaration.DERIVED_STREAM)
 
     def wanted(self, args) -> bool:
-        return bool(self.on(args))
+        return bool(self.declaration.wanted(args))
 
     def serves(self, args, facts) -> str | None:
-        if not self.declares_serving:
-            return None
-        return importlib.import_module(f"trl_fp8.{self.name}.serves").serves(args, facts)
+        serves = getattr(self.declaration, "serves", None)
+        return None if serves is None else serves(args, facts)
 
     @property
     def __name__(self) -> str:  # noqa: A003 - read by composition's messages, as a class's name would be
@@ -47,23 +56,41 @@ class PlannedCapability:
         return list(importlib.import_module(f"trl_fp8.{self.name}.memory").memory_rows(spec))
 
 
-# The order of trl_fp8.registry.CAPABILITIES (a test checks it).
-CAPABILITIES = (
-    PlannedCapability("mxfp8", lambda a: getattr(a, "mxfp8", False)),
-    PlannedCapability("fast_qlora", lambda a: getattr(a, "fast_qlora", "off") != "off", declares_serving=True),
-    PlannedCapability("fair_cast", lambda a: getattr(a, "fair_cast", "off") != "off", ("fast_qlora",),
-                      declares_serving=True),
-    PlannedCapability("duet", lambda a: getattr(a, "duet", False)),
-    PlannedCapability("sync_checks", _sync_checks_on),
-    PlannedCapability("time_budget", lambda a: getattr(a, "time_budget", None) is not None),
-)
+def _planned() -> tuple[PlannedCapability, ...]:
+    from ..composition import setup_order
+    from ..registry import PACKAGES
 
-# The class defaults of the GRPOConfig fields the plan and the capabilities' memory rows read (a test checks them).
-DEFAULTS = {
-    "beta": 0.0, "duet": False, "fair_cast": "off", "fast_qlora": "off", "gradient_accumulation_steps": 1,
-    "gradient_checkpointing": True, "lora_serving": "auto", "max_completion_length": 512, "model_init_kwargs": None,
-    "optim": "adamw_torch_fused", "per_device_train_batch_size": 8, "precision": None, "qlora_keep_budget_gb": 0.25,
-    "qlora_rollout_cache_gb": None, "served_dtype": "bfloat16", "steps_per_generation": None,
-    "sync_checks": "default", "use_vllm": False, "vllm_gpu_memory_utilization": 0.3, "vllm_mode": "colocate",
-    "mxfp8": False, "time_budget": None, "num_generations": 8,
+    return setup_order(tuple(PlannedCapability(package, importlib.import_module(f"trl_fp8.{package}.declaration"))
+                             for package, _ in PACKAGES))
+
+
+CAPABILITIES = _planned()
+
+# The class defaults of the trl.GRPOConfig fields a plan reads (a test holds them to TRL's): TRL is not imported.
+TRL_DEFAULTS = {
+    "beta": 0.0, "gradient_accumulation_steps": 1, "gradient_checkpointing": True, "max_completion_length": 512,
+    "model_init_kwargs": None, "optim": "adamw_torch_fused", "per_device_train_batch_size": 8,
+    "steps_per_generation": None, "use_vllm": False, "vllm_gpu_memory_utilization": 0.3, "vllm_mode": "colocate",
+    "num_generations": 8,
 }
+
+
+def _own_defaults() -> dict:
+    """The defaults of trl_fp8's own fields, from the dataclasses GRPOConfig is built from."""
+    from ..precision import PrecisionArgs
+    from ..serving import ServingArgs
+
+    classes = [PrecisionArgs, ServingArgs] + [next(v for k, v in vars(c.declaration).items()
+                                                   if k.endswith("Args") and dataclasses.is_dataclass(v))
+                                              for c in CAPABILITIES]
+    out = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+    return out
+
+
+DEFAULTS = {**TRL_DEFAULTS, **_own_defaults()}

@@ -2,8 +2,8 @@
 
 Every option's value is checked here, before a plan is made: a bad one is one line naming the option and what it
 allows (the caller's usage error: exit status 2, no traceback). Nothing on this path imports TRL, transformers or
-torch: the capability list and the config defaults are read as data (:mod:`.capabilities`), so a plan is answered in
-about a second.
+torch: the capability list and the config defaults are read from the capabilities' declarations
+(:mod:`.capabilities`), so a plan is answered in about a second.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 
-FAIR_CAST = ("off", "rtn", "stochastic", "error_feedback", "rtn_noise")  # GRPOConfig.fair_cast's choices (a test checks)
-FAST_QLORA = ("off", "auto", "on")  # GRPOConfig.fast_qlora's choices (a test checks)
+from ..fair_cast.declaration import FAIR_CAST_MODES as FAIR_CAST  # GRPOConfig.fair_cast's choices
+from ..fast_qlora.declaration import FAST_QLORA_MODES as FAST_QLORA  # GRPOConfig.fast_qlora's choices
 # Upper bounds of the integer options: far above any run, low enough that the byte counts stay finite.
 LIMITS = {"--lora-r": 2**16, "--generations": 2**16, "--batch-size": 2**16, "--steps-per-generation": 2**16,
           "--gradient-accumulation-steps": 2**16, "--completion-length": 2**22, "--prompt-length": 2**22}
@@ -52,8 +52,8 @@ def build_parser(error) -> argparse.ArgumentParser:
     p.add_argument("--fair-cast", default="stochastic", choices=FAIR_CAST,
                    help="Fair Cast export rule (default: %(default)s)")
     p.add_argument("--lora-serving", default="auto", choices=["auto", "adapters", "merged"],
-                   help="how a LoRA policy is served: auto = adapters, except to a vLLM server (merged) "
-                   "(default: %(default)s)")
+                   help="how a LoRA policy is served: auto = adapters (base + adapter versions, a server too), "
+                   "merged = one dense W + ΔW per layer (default: %(default)s)")
     p.add_argument("--fast-qlora", default="auto", choices=FAST_QLORA,
                    help="fast QLoRA (with --qlora): off, auto or on (default: %(default)s)")
     p.add_argument("--sync-checks", default="default",
@@ -97,7 +97,7 @@ def build_parser(error) -> argparse.ArgumentParser:
 
 def _check(args, fail) -> None:
     """Each option's value on its own (``fail(message)`` raises), then the combinations the command decides."""
-    from ..sync_checks.memory import ALL
+    from ..sync_checks.names import CHECKS as ALL
     from .models import PROJECTIONS
 
     for flag, limit in LIMITS.items():
@@ -144,7 +144,8 @@ def run(argv: list[str], usage_error: type[Exception]) -> int:
         device = resolve_device(args.device)
     except ValueError as err:
         fail(f"--device: {err}")
-    from .plan import FREE_TIER, memory_plan, plan_args
+    from .plan import FREE_TIER, plan_args
+    from .suggest import memory_plan
     from .render import as_json, markdown, print_rich
 
     lora = args.qlora or args.lora_r is not None

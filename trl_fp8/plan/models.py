@@ -78,7 +78,7 @@ class Arch:
     @property
     def linear_params(self) -> int:
         """Parameters of the block projections' weights (what bitsandbytes quantizes)."""
-        return sum(t.numel for t in self.tensors() if t.kind == "linear")
+        return sum(t.numel for t in self.tensors() if t.role == "linear")
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         """Generation KV cache per token: K and V of every layer."""
@@ -92,12 +92,12 @@ class Arch:
 
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter tensor: its name, element count, kind (embedding / linear / bias / norm / lm_head) and, for a
+    """One parameter tensor: its name, element count, role (embedding / linear / bias / norm / lm_head) and, for a
     projection, which one and its ``(out, in)`` shape."""
 
     name: str
     numel: int
-    kind: str
+    role: str
     projection: str | None = None
     shape: tuple[int, int] | None = None
 

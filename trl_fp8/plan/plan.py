@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 
-from .. import sampling
+from .. import kinds, sampling
 from ..memory import GENERATION, PERSISTENT, TRAINING, Row, bytes_text, per
 from .devices import GIB, Device, resolve_device
 from .models import PROJECTIONS, resolve_model
@@ -176,10 +176,10 @@ def _quant(quantization) -> QuantSpec | None:
         raise ValueError("quantization: 8-bit (LLM.int8) bases are not planned; use load_in_4bit (NF4).")
     if not get("load_in_4bit", True):
         return None
-    kind = get("bnb_4bit_quant_type", get("kind", "nf4"))
-    if kind not in ("nf4", "fp4"):
-        raise ValueError(f"bnb_4bit_quant_type must be 'nf4' or 'fp4', got {kind!r}.")
-    return QuantSpec(kind, bool(get("bnb_4bit_use_double_quant", get("double_quant", True))),
+    quant_type = get("bnb_4bit_quant_type", get("quant_type", "nf4"))
+    if quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"bnb_4bit_quant_type must be 'nf4' or 'fp4', got {quant_type!r}.")
+    return QuantSpec(quant_type, bool(get("bnb_4bit_use_double_quant", get("double_quant", True))),
                      int(get("blocksize", 64)))
 
 
@@ -247,7 +247,7 @@ def make_spec(model, args=None, *, peft=None, quantization=None, device="t4", ro
         raise ValueError("fair_cast with full fine-tuning needs fp32 master weights: base_dtype='float32' (Fair Cast "
                          "refuses a 16-bit model).")
     if vllm is None:
-        vllm = getattr(run, "vllm_mode", "colocate") if getattr(run, "use_vllm", False) else "off"
+        vllm = sampling.vllm_mode(run)
     if vllm not in VLLM_MODES:
         raise ValueError(f"vllm={vllm!r} is not valid; allowed values: {', '.join(VLLM_MODES)}.")
     if vllm == "server" and device.gpus < 2:
@@ -297,9 +297,7 @@ def make_spec(model, args=None, *, peft=None, quantization=None, device="t4", ro
     spec = PlanSpec(arch=arch, args=run, device=device, rollout=shape, lora=lora, quant=quant, base_bytes=base,
                     compute_bytes=compute, adapter_bytes=adapter, vllm=vllm, lora_serving=serving,
                     gradient_checkpointing=gradient_checkpointing, chunked_logits=chunked_logits,
-                    optimizer=optimizer, extra={"precision": prec})
-    spec.extra["sampling"] = decision
-    spec.extra["sampler_owner"] = decision.owner  # for the capabilities' rows (who generates)
+                    optimizer=optimizer, extra={"precision": prec}, decision=decision)
     return spec
 
 
@@ -312,41 +310,7 @@ def plan_facts(lora: LoraSpec | None, quant: QuantSpec | None) -> sampling.Model
 
 def decision_of(spec: PlanSpec) -> sampling.SamplingDecision:
     """The sampling decision of a planned run: the one the trainer makes for the same config and model."""
-    return spec.extra["sampling"]
-
-
-# -- which sampler generates, and what its sync streams ---------------------------------------------------------------
-def sampler_of(spec: PlanSpec) -> dict:
-    """The bytes of the run's one sampler and what feeds it, read from its sampling decision (:func:`decision_of`):
-    ``kind`` (``"vllm"``, ``"twin"``, ``"rollout_cache"`` or ``"policy"``: the learner itself), ``owner``,
-    ``stream_bytes`` (what a sync sends, in 16-bit), ``fresh_stream_bytes`` (bytes a stream derives anew, kept by
-    the weight-sync checks' learner side) and ``reference_cast_params`` (fp32 parameters the logprob check casts to
-    the engine's dtype for its reference)."""
-    decision = decision_of(spec)
-    kind = decision.kind
-    out = {"kind": "policy", "fresh_stream_bytes": 0, "reference_cast_params": 0, "stream_bytes": 0,
-           "owner": decision.owner}
-    if spec.use_vllm:
-        out["kind"] = "vllm"
-        out["stream_bytes"] = HALF * (spec.adapter_params if decision.adapters else spec.base_params)
-        if decision.adapters and decision.owner == sampling.BUILTIN_OWNER:  # rounded factors, derived anew
-            out["fresh_stream_bytes"] = HALF * spec.adapter_params
-            out["fresh_stream_per"] = per(HALF, "adapter params (factors rounded to the engine's dtype, kept for "
-                                          "quant_parity)", spec.adapter_params)
-        elif kind == sampling.DENSE_STREAM and decision.owner == "fast_qlora":  # dequant(W) + ΔW, layer by layer
-            out["fresh_stream_bytes"] = HALF * spec.base_params
-            out["fresh_stream_per"] = per(HALF, "base params (dense dequant(W) + ΔW kept for quant_parity)",
-                                          spec.base_params)
-        elif kind == sampling.TRL:  # TRL's stream: the learner's own tensors; the reference casts its fp32 ones
-            out["reference_cast_params"] = spec.base_params if spec.full or spec.base_bytes == FP32 else 0
-            if spec.lora is not None and spec.adapter_bytes == FP32:
-                out["reference_cast_params"] += spec.adapter_params
-    elif kind == sampling.TWIN:
-        out["kind"] = "twin"
-        out["stream_bytes"] = HALF * spec.base_params
-    elif kind == sampling.ROLLOUT_CACHE:
-        out["kind"] = "rollout_cache"
-    return out
+    return spec.decision
 
 
 def _generation_rows(spec: PlanSpec, sampler: dict) -> list[Row]:
@@ -361,8 +325,8 @@ def _generation_rows(spec: PlanSpec, sampler: dict) -> list[Row]:
             rows.append(Row("sync buffer: the adapters in the engine's dtype", HALF * spec.adapter_params,
                             per(HALF, "adapter params", spec.adapter_params), GENERATION, "trainer"))
         return rows
-    kv_bytes = HALF if sampler["kind"] in ("twin", "rollout_cache") else spec.base_bytes
-    if sampler["kind"] == "policy" and spec.quant is not None:
+    kv_bytes = HALF if sampler["sampler"] in ("twin", "rollout_cache") else spec.base_bytes
+    if sampler["sampler"] == "learner" and spec.quant is not None:
         kv_bytes = spec.base_bytes
     tokens = r.generation_batch * r.seq
     per_token = a.kv_bytes_per_token(kv_bytes)
@@ -377,7 +341,7 @@ def _generation_rows(spec: PlanSpec, sampler: dict) -> list[Row]:
     rows.append(Row("generation scratch (prefill of one block, mask, sampling logits)", scratch,
                     "rows × prompt × 3 × intermediate + rows × seq² + 3 × rows × vocab × 4 B", GENERATION,
                     "trainer", exact=False))
-    if spec.quant is not None and sampler["kind"] == "policy":
+    if spec.quant is not None and sampler["sampler"] == "learner":
         largest = spec.largest_linear()
         rows.append(Row("4-bit dequantization scratch (one projection)", HALF * largest,
                         per(HALF, "params of the largest projection", largest), GENERATION, "trainer"))
@@ -489,8 +453,7 @@ def plan_for(spec: PlanSpec, capabilities=None) -> Plan:
     """The plan of a :class:`PlanSpec` (see :func:`memory_plan`), without looking for a change that would fit."""
     if capabilities is None:  # the capability list as a plan reads it, without importing TRL (tests hold it to it)
         from .capabilities import CAPABILITIES as capabilities
-    sampler = sampler_of(spec)
-    spec = replace(spec, extra={**spec.extra, "sampler": sampler})
+    sampler = kinds.handler(spec.decision).plan_sampler(spec)
     own = _model_rows(spec) + _activation_rows(spec) + _logits_rows(spec) + _generation_rows(spec, sampler)
     engine, problems, notes = _engine_rows(spec)
     rows = own + _capability_rows(spec, capabilities) + engine
@@ -511,47 +474,3 @@ def plan_for(spec: PlanSpec, capabilities=None) -> Plan:
     notes.append("estimates (not counted from the code): CUDA context, allocator slack, generation scratch"
                  + (", the vLLM engine's overhead" if spec.use_vllm else "") + ".")
     return Plan(spec, rows, totals, not problems, problems, notes)
-
-
-def memory_plan(model, args=None, *, peft=None, quantization=None, device="t4", rollout=None, base_dtype=None,
-                lora_serving=None, optimizer=None, vllm=None, gradient_checkpointing=None, chunked_logits=True,
-                precision=None, prompt_length=None, capabilities=None, suggest=True) -> Plan:
-    """The memory plan of a GRPO run.
-
-    Args:
-        model: a name from :data:`trl_fp8.plan.MODELS` (``"qwen2.5-7b"``, ``"Qwen/Qwen2.5-7B-Instruct"``, ...), a
-            ``config.json`` path, a folder holding one, a ``transformers.PretrainedConfig`` or an :class:`Arch`.
-        args: the run's ``trl_fp8.GRPOConfig`` (or a dict of its fields); None: every field at its default.
-            Read: Fair Cast, the weight-sync checks, DUET, fast QLoRA, MXFP8, ``lora_serving``, ``use_vllm`` /
-            ``vllm_mode`` / ``vllm_gpu_memory_utilization``, ``gradient_checkpointing``,
-            ``per_device_train_batch_size``, ``steps_per_generation`` / ``gradient_accumulation_steps``,
-            ``max_completion_length``, ``optim``, ``beta``, ``precision``, ``model_init_kwargs["dtype"]``. Use
-            :data:`FREE_TIER` for the free-tier recipe.
-        peft: None (full fine-tuning), a LoRA rank, ``{"r": 16, "target_modules": [...]}`` or a ``peft.LoraConfig``
-            (default targets: all seven projections).
-        quantization: None, ``"nf4"`` (bitsandbytes NF4 with double quantization, blocks of 64), a dict or a
-            ``transformers.BitsAndBytesConfig`` (``load_in_4bit``); needs ``peft`` (QLoRA).
-        device: ``"t4"``, ``"2xt4"``, ``"l4"``, ``"a100-40"``, ``"h100-80"``, a byte count or a :class:`Device`.
-        rollout: a :class:`Rollout` or a dict (``prompt_length``, ``completion_length``, ``micro_batch``,
-            ``generation_batch``); default from ``args`` and a 256-token prompt.
-        base_dtype: the loaded weights' dtype (default: float32 for full fine-tuning, as TRL loads; 16-bit for LoRA).
-        lora_serving / optimizer (``"adamw"``, ``"adamw_8bit"``) / vllm (``"off"``, ``"colocate"``, ``"server"``) /
-            gradient_checkpointing / precision (``"bf16"``, ``"fp16"``, ``"fp32"``; default: the card's):
-            override ``args``.
-        chunked_logits: TRL 1.16's fused LM head (True: what the trainer does) or full logits (for comparison).
-        suggest: when it does not fit, look for the one change that would.
-
-    Returns:
-        a :class:`Plan`: ``rows``, ``totals`` per card, ``fits``, ``problems``, ``suggestion``.
-    """
-    options = dict(peft=peft, quantization=quantization, device=device, rollout=rollout, base_dtype=base_dtype,
-                   lora_serving=lora_serving, optimizer=optimizer, vllm=vllm,
-                   gradient_checkpointing=gradient_checkpointing, chunked_logits=chunked_logits, precision=precision,
-                   prompt_length=prompt_length)
-    spec = make_spec(model, args, **options)
-    plan = plan_for(spec, capabilities)
-    if not plan.fits and suggest:
-        from .suggest import suggest
-
-        plan.suggestion = suggest(model, args, options, spec, capabilities)
-    return plan

@@ -50,7 +50,7 @@ def _model_rows(spec: PlanSpec) -> list[Row]:
         rows.append(Row(f"base weights ({dtype})", spec.base_bytes * spec.base_params,
                         per(spec.base_bytes, "base params", spec.base_params), PERSISTENT, "model", "base"))
     else:
-        q = [t for t in spec.base_tensors() if t.kind == "linear"]
+        q = [t for t in spec.base_tensors() if t.role == "linear"]
         qn = sum(t.numel for t in q)
         rows.append(Row(f"base weights, 4-bit ({spec.quant.label})", sum(spec.quant.weight_bytes(t.numel) for t in q),
                         f"1/2 B + absmax × linear params ({count_text(qn)})", PERSISTENT, "model", "base"))
@@ -111,7 +111,7 @@ def _autocast_cache(spec: PlanSpec) -> int:
     if spec.compute_bytes >= FP32:
         return 0
     if spec.full and spec.base_bytes == FP32:
-        return spec.compute_bytes * sum(t.numel for t in spec.base_tensors() if t.kind in ("linear", "bias"))
+        return spec.compute_bytes * sum(t.numel for t in spec.base_tensors() if t.role in ("linear", "bias"))
     if spec.lora is not None and spec.adapter_bytes == FP32:
         return spec.compute_bytes * spec.adapter_params
     return 0

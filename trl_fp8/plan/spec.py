@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..memory import FP32, HALF  # noqa: F401  (re-exported: the plan's modules import them from here)
 from .devices import Device
 from .models import PROJECTIONS, Arch, Tensor
-
-FP32, HALF = 4, 2
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,7 @@ class QuantSpec:
     - the 16-entry fp32 NF4/FP4 code table (64 B, one per weight).
     """
 
-    kind: str = "nf4"
+    quant_type: str = "nf4"
     double_quant: bool = True
     blocksize: int = 64
 
@@ -44,7 +43,7 @@ class QuantSpec:
 
     @property
     def label(self) -> str:
-        return f"{self.kind.upper()}{' + double quant' if self.double_quant else ''}, blocks of {self.blocksize}"
+        return f"{self.quant_type.upper()}{' + double quant' if self.double_quant else ''}, blocks of {self.blocksize}"
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,9 @@ class PlanSpec:
     ``base_bytes``: element size of the weights as loaded (the non-quantized ones, with ``quant``);
     ``compute_bytes``: the autocast dtype's (4: fp32 training, no autocast); ``adapter_bytes``: the LoRA factors' as
     trained; ``vllm``: ``"off"``, ``"colocate"`` or ``"server"``; ``lora_serving``: ``"adapters"`` or ``"merged"``;
-    ``optimizer``: ``"adamw"`` (fp32 moments) or ``"adamw_8bit"`` (bitsandbytes blockwise 8-bit)."""
+    ``optimizer``: ``"adamw"`` (fp32 moments) or ``"adamw_8bit"`` (bitsandbytes blockwise 8-bit); ``decision``: the
+    run's :class:`trl_fp8.sampling.SamplingDecision`, the one the trainer makes for the same config and model (its
+    kind's handler, :mod:`trl_fp8.kinds`, gives the sampler's bytes)."""
 
     arch: Arch
     args: object
@@ -119,6 +120,7 @@ class PlanSpec:
     chunked_logits: bool = True
     optimizer: str = "adamw"
     extra: dict = field(default_factory=dict)
+    decision: object = None
 
     # -- parameters ----------------------------------------------------------------------------------------------
     @property
@@ -153,7 +155,7 @@ class PlanSpec:
         return self.base_bytes if self.full else self.adapter_bytes
 
     def quantized(self, t: Tensor) -> bool:
-        return self.quant is not None and t.kind == "linear"
+        return self.quant is not None and t.role == "linear"
 
     def base_weight_bytes(self) -> int:
         """The base model's parameters as loaded: 4-bit linears as bitsandbytes stores them, the rest dense."""
@@ -161,7 +163,7 @@ class PlanSpec:
                    for t in self.base_tensors())
 
     def largest_linear(self) -> int:
-        return max(t.numel for t in self.base_tensors() if t.kind == "linear")
+        return max(t.numel for t in self.base_tensors() if t.role == "linear")
 
     # -- run settings --------------------------------------------------------------------------------------------
     def arg(self, name: str, default=None):

@@ -1,10 +1,12 @@
-"""The one change that would make a plan fit: candidates tried cheapest first, each planned in full."""
+"""The one change that would make a plan fit (candidates tried cheapest first, each planned in full), and
+:func:`memory_plan`, the plan with that suggestion when it does not fit (here, so that :mod:`.plan` never imports
+this module)."""
 
 from __future__ import annotations
 
 from ..memory import bytes_text
 from .devices import DEVICES
-from .plan import _Args, make_spec, plan_for, run_args
+from .plan import Plan, _Args, make_spec, plan_for, run_args
 from .spec import PlanSpec, Rollout
 
 
@@ -17,7 +19,7 @@ def _with(args, **fields):
     return run_args(args, **fields)
 
 
-def suggest(model, args, options: dict, spec: PlanSpec, capabilities) -> str:
+def suggest_change(model, args, options: dict, spec: PlanSpec, capabilities) -> str:
     """The first single change, cheapest first, after which the plan fits."""
     r = spec.rollout
     candidates = []
@@ -72,3 +74,45 @@ def suggest(model, args, options: dict, spec: PlanSpec, capabilities) -> str:
         if trial.fits:
             return f"{text}: {bytes_text(trial.total)} of {bytes_text(trial.totals[0]['usable'])}"
     return "no single change makes it fit on these cards"
+
+
+def memory_plan(model, args=None, *, peft=None, quantization=None, device="t4", rollout=None, base_dtype=None,
+                lora_serving=None, optimizer=None, vllm=None, gradient_checkpointing=None, chunked_logits=True,
+                precision=None, prompt_length=None, capabilities=None, suggest=True) -> Plan:
+    """The memory plan of a GRPO run.
+
+    Args:
+        model: a name from :data:`trl_fp8.plan.MODELS` (``"qwen2.5-7b"``, ``"Qwen/Qwen2.5-7B-Instruct"``, ...), a
+            ``config.json`` path, a folder holding one, a ``transformers.PretrainedConfig`` or an :class:`Arch`.
+        args: the run's ``trl_fp8.GRPOConfig`` (or a dict of its fields); None: every field at its default.
+            Read: Fair Cast, the weight-sync checks, DUET, fast QLoRA, MXFP8, ``lora_serving``, ``use_vllm`` /
+            ``vllm_mode`` / ``vllm_gpu_memory_utilization``, ``gradient_checkpointing``,
+            ``per_device_train_batch_size``, ``steps_per_generation`` / ``gradient_accumulation_steps``,
+            ``max_completion_length``, ``optim``, ``beta``, ``precision``, ``model_init_kwargs["dtype"]``. Use
+            :data:`FREE_TIER` for the free-tier recipe.
+        peft: None (full fine-tuning), a LoRA rank, ``{"r": 16, "target_modules": [...]}`` or a ``peft.LoraConfig``
+            (default targets: all seven projections).
+        quantization: None, ``"nf4"`` (bitsandbytes NF4 with double quantization, blocks of 64), a dict or a
+            ``transformers.BitsAndBytesConfig`` (``load_in_4bit``); needs ``peft`` (QLoRA).
+        device: ``"t4"``, ``"2xt4"``, ``"l4"``, ``"a100-40"``, ``"h100-80"``, a byte count or a :class:`Device`.
+        rollout: a :class:`Rollout` or a dict (``prompt_length``, ``completion_length``, ``micro_batch``,
+            ``generation_batch``); default from ``args`` and a 256-token prompt.
+        base_dtype: the loaded weights' dtype (default: float32 for full fine-tuning, as TRL loads; 16-bit for LoRA).
+        lora_serving / optimizer (``"adamw"``, ``"adamw_8bit"``) / vllm (``"off"``, ``"colocate"``, ``"server"``) /
+            gradient_checkpointing / precision (``"bf16"``, ``"fp16"``, ``"fp32"``; default: the card's):
+            override ``args``.
+        chunked_logits: TRL 1.16's fused LM head (True: what the trainer does) or full logits (for comparison).
+        suggest: when it does not fit, look for the one change that would.
+
+    Returns:
+        a :class:`Plan`: ``rows``, ``totals`` per card, ``fits``, ``problems``, ``suggestion``.
+    """
+    options = dict(peft=peft, quantization=quantization, device=device, rollout=rollout, base_dtype=base_dtype,
+                   lora_serving=lora_serving, optimizer=optimizer, vllm=vllm,
+                   gradient_checkpointing=gradient_checkpointing, chunked_logits=chunked_logits, precision=precision,
+                   prompt_length=prompt_length)
+    spec = make_spec(model, args, **options)
+    plan = plan_for(spec, capabilities)
+    if not plan.fits and suggest:
+        plan.suggestion = suggest_change(model, args, options, spec, capabilities)
+    return plan

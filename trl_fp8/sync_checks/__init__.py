@@ -8,6 +8,10 @@ __all__ = ["CHECKS", "DEFAULT_CHECKS", "WeightSyncError", "WeightSyncWarning", "
 
 
 def __getattr__(name):
+    if name in ("CHECKS", "DEFAULT_CHECKS", "resolve_checks"):
+        from . import names
+
+        return getattr(names, name)
     if name in __all__:
         from . import checks
 

@@ -22,12 +22,7 @@ from .compare import PairComparer, bitwise_equal, describe_diff, same_device
 from .tokenstats import (  # noqa: F401 (re-exported: the checks' token statistics)
     HIST_BINS, HIST_DECADES, HIST_LOW, HIST_PER_DECADE, LOGPROB_STAT_OPS, delta_histogram, logprob_stats, over_fraction)
 
-CHECKS = (
-    "recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement", "differential_oracle",
-    "cache_hygiene",
-)
-# Cheap enough to leave on every step in production (the differential oracle reloads the weights several times).
-DEFAULT_CHECKS = tuple(c for c in CHECKS if c != "differential_oracle")
+from .names import CHECKS, DEFAULT_CHECKS, resolve_checks  # noqa: F401 (re-exported)
 RECIPE_FIELDS = ("dtype", "format", "block_size", "scale_dtype", "scale_rounding", "excluded", "kernel", "cast")
 # logprob agreement (see LogprobBand): the gap the sampler's precision explains is measured on every evaluated batch
 LOGPROB_BAND_FACTOR = 3.0  # the mean gap may be this multiple of the gap the sampler's precision explains ...
@@ -61,23 +56,6 @@ class CheckResult:
     message: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     applicable: bool = True  # False: the check had nothing to compare (``message`` says why)
-
-
-def resolve_checks(value) -> tuple[str, ...]:
-    """``"default"`` / ``"all"`` / ``"off"`` or a list of check names -> the tuple of checks to run."""
-    if isinstance(value, str):
-        presets = {"default": DEFAULT_CHECKS, "all": CHECKS, "off": ()}
-        if value in presets:
-            return presets[value]
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    names = list(value)
-    unknown = [n for n in names if n not in CHECKS]
-    if unknown:
-        raise ValueError(
-            f"sync_checks: unknown check(s) {', '.join(map(repr, unknown))}; known checks: {', '.join(CHECKS)} "
-            "(or one of 'default', 'all', 'off')."
-        )
-    return tuple(c for c in CHECKS if c in names)
 
 
 @functools.lru_cache(maxsize=None)

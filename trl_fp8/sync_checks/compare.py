@@ -2,7 +2,7 @@
 with what it holds: fast where it runs on every sync.
 
 - Host tensors of one dtype, or an fp32 tensor against a bf16 one widened exactly, are compared in one call into the
-  compiled CPU kernels (:func:`trl_fp8.fair_cast._native.first_unequal`: no copy, no widened temporary, no thread
+  compiled CPU kernels (:func:`trl_fp8.native.first_unequal`: no copy, no widened temporary, no thread
   pool), where a C compiler built them; other host tensors with the C library's ``memcmp``, in place.
 - Elsewhere (a GPU) tensors are compared as the widest integer words that tile them, many small ones in one
   concatenation (each comparison costs a dispatch and a sync).
@@ -115,20 +115,20 @@ def _equal_widened(a: torch.Tensor, b: torch.Tensor) -> bool:
 NATIVE_BATCH_BYTES = _memory.HOST_BATCH_BYTES
 
 
-_NATIVE_MODULE = []  # trl_fp8.fair_cast._native once imported
+_NATIVE_MODULE = []  # trl_fp8.native once imported
 
 
 def _native_module():
-    """:mod:`trl_fp8.fair_cast._native` (imported on first use: a run on a GPU never needs it)."""
+    """:mod:`trl_fp8.native` (imported on first use: a run on a GPU never needs it)."""
     if not _NATIVE_MODULE:
-        from ..fair_cast import _native
+        from .. import native as _native
 
         _NATIVE_MODULE.append(_native)
     return _NATIVE_MODULE[0]
 
 
 def _native_lib():
-    """The compiled CPU kernels (:mod:`trl_fp8.fair_cast._native`, built on first use), or None."""
+    """The compiled CPU kernels (:mod:`trl_fp8.native`, built on first use), or None."""
     return _native_module().load()
 
 

@@ -23,19 +23,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-from .. import _trl, composition, distributed, numerics
+from .. import _trl, composition, distributed, kinds, numerics
 from ..capability import Capability, check_choice, check_int
-from ..samplers import VLLMColocateSampler, VLLMServerSampler
 from .checks import resolve_checks
 from .logprobs import SampledLogprobTap
 from .monitor import LearnerSide, SyncMonitor
+from . import declaration
+from .declaration import SyncChecksArgs, SYNC_CHECK_ACTIONS  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("trl_fp8.sync_checks")
-SYNC_CHECK_ACTIONS = ("raise", "warn")
 # The rollouts ρ (and a re-scoring) runs on, where the gap is judged: this fraction of the batch's rollouts, within
 # [LOGPROB_MIN_ROWS, LOGPROB_MAX_ROWS], evenly spread over it (so over several prompts' groups).
 LOGPROB_ROW_FRACTION = 1 / 16
@@ -44,31 +43,6 @@ LOGPROB_MAX_ROWS = 16
 SAMPLER_LOGPS_KEY = "trl_fp8_sampler_logps"  # the in-process twin's per-token logprobs, carried with the batch
 
 
-@dataclass
-class SyncChecksArgs:
-    sync_checks: str = field(
-        default="default",
-        metadata={"help": "trl_fp8: weight-sync checks to run: 'default', 'all', 'off' or check names (a list, or "
-                  "comma-separated on the command line: recipe_parity, coverage, freshness, quant_parity, "
-                  "logprob_agreement, differential_oracle, cache_hygiene)."},
-    )
-    sync_check_interval: int = field(
-        default=1, metadata={"help": "trl_fp8: run the weight-sync checks every N syncs / generations (>= 1)."}
-    )
-    sync_check_action: str = field(
-        default="raise",
-        metadata={"help": "trl_fp8: on a failed weight-sync check, 'raise' a WeightSyncError or 'warn'.",
-                  "choices": list(SYNC_CHECK_ACTIONS)},
-    )
-
-    def resolved_sync_checks(self) -> tuple[str, ...]:
-        return resolve_checks(self.sync_checks)
-
-
-def _capabilities() -> tuple:
-    from ..capability import registered
-
-    return registered()
 
 
 def check_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -89,7 +63,7 @@ class SyncChecks(Capability):
     state_file = "sync_checks_state.pt"
     state_required = False  # checks switched on at a resume start counting afresh
     # they observe the samplers the others set up, and compare logprobs on the batches DUET adjusted
-    after = ("mxfp8", "fast_qlora", "fair_cast", "duet")
+    after = declaration.AFTER
 
     def held_tensors(self) -> dict:
         """The learner side's last streamed tensors (kept for ``quant_parity``) that are not the model's own: a
@@ -119,22 +93,24 @@ class SyncChecks(Capability):
     off_hint = "sync_checks='off'"
 
     @staticmethod
-    def soft_default(args):
+    def soft_default(args, capabilities=()):
         """On by default (not asked for): refused, the checks stay off with one line — a warning where there was a
         separate sampler to check (vLLM, a capability's twin), else an info line (TRL's sampler is the learner)."""
         if getattr(args, "sync_checks", "default") != "default":
             return False
-        from .. import sampling
+        from .. import kinds, sampling
 
-        # the model is not known at config time: a full model is assumed (a twin then possibly generates)
-        separate = getattr(args, "use_vllm", False) or any(
-            cls.wanted(args) and cls.serves(args, sampling.ModelFacts()) not in (None, sampling.TRL)
-            for cls in _capabilities())
-        return "warning" if separate else "info"
+        # the model is not known at config time: a full model is assumed (a twin then possibly generates);
+        # ``capabilities``: the run's list (trl_fp8.registry), handed over by whoever admits the checks
+        try:
+            decision = sampling.decide(args, sampling.ModelFacts(), capabilities)
+        except ValueError:  # refused for this config: the trainer says why; a sampler was asked for
+            return "warning"
+        return "warning" if kinds.handler(decision).separate_sampler(decision) else "info"
 
     @classmethod
     def wanted(cls, args) -> bool:
-        return bool(resolve_checks(getattr(args, "sync_checks", "off")))
+        return declaration.wanted(args)
 
     @staticmethod
     def validate(args) -> None:
@@ -157,21 +133,18 @@ class SyncChecks(Capability):
         else TRL's). Syncs reach the checks as :meth:`before_sync` / :meth:`after_sync`."""
         args = trainer.args
         checks = resolve_checks(args.sync_checks)
-        sampler = offer.sampler if offer is not None else None
-        if not trainer.use_vllm and sampler is None:
+        kind = kinds.handler(trainer.sampling)  # what samples, as decided: the kind's handler hands the sampler over
+        if not kind.separate_sampler(trainer.sampling):
             logger.info("weight-sync checks: the in-process sampler is the learner itself; nothing to check.")
             return False
         self.offer = offer
         # a sampler no sync feeds (a rollout cache): only the logprob check applies, nothing is streamed to it
-        learner = LearnerSide(lambda: iter(()), {}) if sampler is not None and not sampler.synced else \
-            self._learner_side(trainer, offer)
-        if sampler is None and trainer.vllm_mode == "colocate":
-            sampler = VLLMColocateSampler(trainer.vllm_generation.llm, learner.shapes)
-        elif sampler is None:
-            sampler = VLLMServerSampler(trainer.vllm_generation.vllm_client, learner.shapes)
+        learner = self._learner_side(trainer, offer) if kind.fed else LearnerSide(lambda: iter(()), {})
+        sampler = kind.checks_sampler(trainer, offer, learner.shapes)
+        self.in_process = kind.in_process
         self.distributed = distributed.world_size() > 1  # DDP: every rank checks its sampler; the ranks agree
         layout = distributed.detect(trainer)
-        self.collective_forward = layout.kind == "deepspeed" and layout.zero_stage == 3  # learner forwards gather
+        self.collective_forward = layout.backend == "deepspeed" and layout.zero_stage == 3  # learner forwards gather
         if self.distributed:
             from . import ranks
         self.monitor = SyncMonitor(checks, sampler, learner, args.sync_check_interval, args.sync_check_action,
@@ -189,14 +162,14 @@ class SyncChecks(Capability):
         self.monitor.before_sync(step)
 
     def after_sync(self, trainer, step: int, log) -> None:
-        if trainer.use_vllm:
+        if not self.in_process:
             self.monitor.sampler.set_version(step)  # the engine's weight version (a twin is labelled by the sync)
         self.monitor.after_sync(step, log)
 
     @staticmethod
     def _engine_dtype(trainer) -> torch.dtype:
         """The dtype a vLLM engine computes in (as it reports it; else what TRL's precision fields imply)."""
-        engine = _trl.vllm_engine_dtype(trainer.vllm_generation) if trainer.use_vllm else None
+        engine = _trl.vllm_engine_dtype(trainer.vllm_generation) if trainer.sampling.vllm != "off" else None
         if engine is not None:
             return numerics.torch_dtype(engine)
         return torch.float16 if trainer.args.fp16 else torch.bfloat16
@@ -235,7 +208,7 @@ class SyncChecks(Capability):
 
     @contextlib.contextmanager
     def _tapping(self, trainer):
-        offer = trainer.serving()
+        offer = trainer.offer()
         model = offer.model if offer is not None and offer.model is not None else \
             trainer.accelerator.unwrap_model(trainer.model)
         if hasattr(model, "get_base_model"):  # PEFT: generate() runs the underlying transformers model's forward
@@ -276,7 +249,7 @@ class SyncChecks(Capability):
             # ZeRO-3: TRL's fused lm head gathers its weight by DeepSpeed's parameter status, which neither the twin's
             # parameters nor swapped-in tensors carry; the learner's own forward is the one that gathers
             return None
-        offer = trainer.serving()
+        offer = trainer.offer()
         if offer is not None and offer.numerics is not None:
             return offer.numerics()
         learner = trainer.accelerator.unwrap_model(trainer.model)
@@ -326,7 +299,7 @@ class SyncChecks(Capability):
     def _rescore(self, trainer, output: dict, rows: torch.Tensor) -> None:
         """The check where the sampler's logprobs were not recorded (DUET's sampler, tools, beams): the twin and the
         learner re-score ``rows``."""
-        offer = trainer.serving()
+        offer = trainer.offer()
         if offer is None or offer.model is None:
             return  # no in-process model to re-score with (a vLLM engine that returned no logprobs): nothing to
             # compare with (the same on every rank)

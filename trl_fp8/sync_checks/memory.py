@@ -1,6 +1,6 @@
 """What the weight-sync checks allocate: their rows of the memory plan (``trl-fp8 plan``). A pure function of the
-plan's spec; ``spec.extra["sampler"]`` says which sampler the run generates with and what its sync streams (decided
-by the plan as the trainer decides it: :func:`trl_fp8.plan.plan.sampler_of`).
+plan's spec; the handler of the run's sampling decision (``spec.decision``, the one the trainer makes; its kind's
+:meth:`trl_fp8.kinds.Kind.plan_sampler`) says which sampler the run generates with and what its sync streams.
 
 - The learner side keeps the last streamed tensors (``LearnerSide._current``) for ``quant_parity``: references to
   tensors held anyway (TRL's parameters, Fair Cast's served copy: 0 B), or, where the stream derives them (fast
@@ -22,9 +22,7 @@ by the plan as the trainer decides it: :func:`trl_fp8.plan.plan.sampler_of`).
 from __future__ import annotations
 
 from ..memory import GENERATION, PERSISTENT, TRAINING, Row, per
-
-DEFAULT = ("recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement", "cache_hygiene")
-ALL = DEFAULT + ("differential_oracle",)
+from .names import resolve_checks
 
 # How much a bitwise comparison of many tensors holds at once (trl_fp8.sync_checks.compare.PairComparer), bounded so
 # that it is counted here: off the host, groups of up to this many elements (one concatenation per side) ...
@@ -34,23 +32,14 @@ GROUP_BYTES_PER_ELEMENT = 14  # the reference (<= 4 B), both sides concatenated 
 HOST_BATCH_BYTES = 4 << 20
 
 
-def enabled_checks(value) -> tuple[str, ...]:
-    """``sync_checks`` as names (``trl_fp8.sync_checks.checks.resolve_checks`` without its validation)."""
-    if isinstance(value, str):
-        presets = {"default": DEFAULT, "all": ALL, "off": ()}
-        if value in presets:
-            return presets[value]
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    return tuple(value)
-
-
 def memory_rows(spec) -> list[Row]:
-    checks = enabled_checks(getattr(spec.args, "sync_checks", "default"))
-    sampler = spec.extra.get("sampler", {})
-    kind = sampler.get("kind", "policy")
+    checks = resolve_checks(getattr(spec.args, "sync_checks", "default"))
     if not checks:
         return []
-    if kind == "policy":
+    from ..kinds import handler
+
+    sampler = handler(spec.decision).plan_sampler(spec)
+    if sampler["sampler"] == "learner":
         return [Row("weight-sync checks: nothing to check (the learner generates)", 0, "0 B", PERSISTENT,
                     "sync_checks", "sync_checks/learner")]
     rows = []

@@ -100,7 +100,7 @@ class SyncMonitor:
         self.checks = tuple(c for c in wanted if c in supported)
         if self.skipped:
             logger.info("weight-sync checks %s are not available with a %s sampler; running %s",
-                        ", ".join(self.skipped), sampler.kind, ", ".join(self.checks) or "none")
+                        ", ".join(self.skipped), sampler.label, ", ".join(self.checks) or "none")
         self.band = C.LogprobBand()
         self.syncs = 0
         self.steps = 0

@@ -2,7 +2,7 @@
 ``|logπ_learner − logμ_sampler|`` on one batch, in a form ranks combine exactly (:data:`LOGPROB_STAT_OPS`).
 
 :func:`logprob_stats` is computed by a few tensor operations on any device; on a CPU, where the compiled kernels
-of :mod:`trl_fp8.fair_cast._native` are built, by one call into them instead (one pass over the batch, no
+of :mod:`trl_fp8.native` are built, by one call into them instead (one pass over the batch, no
 temporaries: the check runs on every batch, and on a small batch its two dozen tensor operations cost more than
 the arithmetic). Both give the same counts, largest gap (and where it is) and histogram; sums and exponentials agree to
 rounding (tested).
@@ -125,7 +125,7 @@ def logprob_stats(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask
 
 
 
-# The order of the compiled kernel's output (see trl_fp8_logprob_stats in trl_fp8/fair_cast/_kernel_source.py),
+# The order of the compiled kernel's output (see trl_fp8_logprob_stats in trl_fp8/native_source.py),
 # followed by the HIST_BINS histogram counts.
 _NATIVE_FIELDS = ("sum", "sq_sum", "count", "max", "where", "ratio_sum", "ratio_min", "ratio_max", "seq_ratio_sum",
                   "seq_ratio_min", "seq_ratio_max", "seqs", "explained_sum", "path_sum", "judged_sum", "covered",

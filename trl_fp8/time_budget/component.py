@@ -16,7 +16,6 @@ import signal
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from transformers import StoppingCriteria, TrainerCallback
@@ -25,34 +24,14 @@ from .. import _trl
 from ..capability import Capability, check_choice
 from . import SIGNALS_FORWARDED_ENV
 from .core import BudgetPlanner, default_margin, default_save_prior, format_duration, parse_duration
+from . import declaration
+from .declaration import TimeBudgetArgs, ENV_VAR, SCOPES  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("trl_fp8.time_budget")
-ENV_VAR = "TRL_FP8_TIME_BUDGET"
-SCOPES = ("session", "total")
 _OFF = ("off", "none")
 _IMPORTED_AT = time.monotonic()
 
 
-@dataclass
-class TimeBudgetArgs:
-    time_budget: str | None = field(
-        default=None,
-        metadata={"help": "trl_fp8: wall-clock budget, e.g. '11h30m', '90m', '45s', '11:30:00' or seconds: save a "
-                  "checkpoint and stop before it runs out. A SIGTERM stops the step in flight at its next "
-                  "micro-batch or generation boundary and saves the last complete step. Counted from the start of the "
-                  "process "
-                  f"(a notebook's kernel). Unset: read from ${ENV_VAR}; None/'off': no budget."},
-    )
-    time_budget_margin: str | None = field(
-        default=None,
-        metadata={"help": "trl_fp8: time kept free after the final checkpoint is written (same forms as "
-                  "time_budget). Default: 5 percent of the budget, at most 1 minute."},
-    )
-    time_budget_scope: str = field(
-        default="session",
-        metadata={"help": "trl_fp8: what the budget limits: 'session' (this process, e.g. one Colab session) or "
-                  "'total' (the run's time summed over every resumed session).", "choices": list(SCOPES)},
-    )
 
 
 _AGREED_ENV: list[str] = []  # rank 0's $TRL_FP8_TIME_BUDGET, once the processes of a run have agreed on it
@@ -296,7 +275,7 @@ class TimeBudget(Capability):
 
     @classmethod
     def wanted(cls, args) -> bool:
-        return getattr(args, "time_budget", None) is not None
+        return declaration.wanted(args)
 
     @staticmethod
     def validate(args) -> None:

@@ -189,6 +189,7 @@ def main(script_args, training_args, model_args, dataset_args) -> int:
     from trl import get_peft_config, get_quantization_config
 
     from ... import sampling
+    from ...registry import CAPABILITIES
     from ..._trl import shutdown_trainer_vllm
     from ...trainer import GRPOTrainer
 
@@ -210,7 +211,7 @@ def main(script_args, training_args, model_args, dataset_args) -> int:
     dataset = load_datasets(script_args, dataset_args, training_args)
     quantization_config, peft_config = get_quantization_config(model_args), get_peft_config(model_args)
     try:  # who samples is decided first, before anything loads: a combination that cannot run is one line
-        sampling.decide_for(model_name, training_args, peft_config, quantization_config)
+        sampling.decide_for(model_name, training_args, peft_config, quantization_config, CAPABILITIES)
     except ValueError as err:
         print(f"trl-fp8 grpo: error: {err}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
-"""Fused CPU kernels for the fp32 -> bf16 exports (stochastic rounding, error feedback).
+"""Fused CPU kernels: Fair Cast's fp32 -> bf16 exports (stochastic rounding, error feedback), and the weight-sync
+checks' bitwise comparisons and token statistics. A neutral module: both import it; it imports neither.
 
-A small C file (:mod:`~trl_fp8.fair_cast._kernel_source`) is compiled on first use with a C compiler: ``$CC``
+A small C file (:mod:`~trl_fp8.native_source`) is compiled on first use with a C compiler: ``$CC``
 when set (a program name looked up through ``PATH``, or a path; one that names nothing gives one warning and the
 PyTorch path, never another compiler), else the first of ``cc``/``gcc``/``clang`` found through ``PATH`` — with
 OpenMP and ``-march=native``, into a cache folder — and called through ``ctypes`` on the tensors' memory: one pass over the data, the hash RNG computed in registers. It has no Python or torch headers, so it builds
@@ -9,7 +10,7 @@ callers use the PyTorch implementation, which gives bit-identical results (teste
 
 The cache folder is ``$TRL_FP8_CACHE``, else ``$XDG_CACHE_HOME/trl_fp8``, else ``~/.cache/trl_fp8``.
 
-- **Cache key.** The library is named ``fair_cast_<sha256 prefix>.so``, hashed over everything that changes
+- **Cache key.** The library is named ``trl_fp8_<sha256 prefix>.so``, hashed over everything that changes
   the binary: the C source, the compiler flags, the compiler (its resolved path, size and mtime, and the
   output of ``cc --version`` and ``cc -dumpmachine``), and the CPU it was built for (``platform.machine()``,
   the OS, the pointer size, the CPU identity and feature-flag lines of ``/proc/cpuinfo`` on Linux, and the
@@ -65,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from ._kernel_source import C_SOURCE
+from .native_source import C_SOURCE
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 
@@ -87,7 +88,7 @@ _VECTOR_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "asimd", "sve", 
 
 
 def _cache_dir() -> Path:
-    from ..models import cache_root  # one rule for the models and the kernels
+    from .models import cache_root  # one rule for the models and the kernels
 
     return cache_root()
 
@@ -441,7 +442,7 @@ def load(isa: str | None = None):
 
 
 def _load_from(cc: str, folder: _Folder, isa: str):
-    name = f"fair_cast_{_cache_tag(_probed_key(cc, folder, isa))}.so"
+    name = f"trl_fp8_{_cache_tag(_probed_key(cc, folder, isa))}.so"
     lib_path = folder.path / name
     for attempt in (1, 2):
         try:

@@ -1,5 +1,5 @@
 """The C source of the fused CPU export kernels (stochastic rounding, error feedback) that
-:mod:`trl_fp8.fair_cast._native` compiles on first use, and of the bitwise comparison the weight-sync checks use on
+:mod:`trl_fp8.native` compiles on first use, and of the bitwise comparison the weight-sync checks use on
 CPU tensors and the token statistics of their logprob check; kept apart from the build and load logic. The source is part of the library's cache key: any change here
 builds a new library."""
 

@@ -1,4 +1,4 @@
-"""The compiled Fair Cast kernels (trl_fp8.fair_cast._native): cache key, cache permissions, atomic builds,
+"""The compiled CPU kernels (trl_fp8.native): cache key, cache permissions, atomic builds,
 argument checks before raw-pointer calls, and the PyTorch fallback when no compiler is available.
 
 Every test runs with ``TRL_FP8_CACHE`` pointing into its own ``tmp_path``; tests that need a real C compiler
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_fp8.fair_cast import _native
+from trl_fp8 import native as _native
 from trl_fp8.fair_cast import rounding as R
 
 SPECIALS = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 3.4e38, -3.4e38, 1e-40, -1e-40, 1.0, -1.0]
@@ -99,7 +99,7 @@ def test_native_kernel_builds_into_a_private_cache(cache):
     assert lib is not None
     assert _mode(cache) == 0o700
     files = sorted(p.name for p in cache.iterdir() if not p.name.startswith("probe_"))
-    assert len(files) == 1 and files[0].startswith("fair_cast_") and files[0].endswith(".so"), files  # no temps
+    assert len(files) == 1 and files[0].startswith("trl_fp8_") and files[0].endswith(".so"), files  # no temps
     lib_file = cache / files[0]
     assert os.stat(lib_file).st_uid == os.geteuid()
     assert _mode(lib_file) & 0o022 == 0
@@ -145,7 +145,7 @@ def test_build_writes_a_temporary_in_the_same_folder_then_replaces(cache, monkey
     moves = [m for m in moves if not m[1].name.startswith("probe_")]  # the compiler probe is replaced atomically too
     (tmp, dst, magic), = moves
     assert tmp.parent == dst.parent == cache and tmp != dst
-    assert dst.name.startswith("fair_cast_") and magic in (b"\x7fELF", b"\xcf\xfa\xed\xfe")  # a whole library
+    assert dst.name.startswith("trl_fp8_") and magic in (b"\x7fELF", b"\xcf\xfa\xed\xfe")  # a whole library
     assert [p.name for p in _libs(cache)] == [dst.name]
 
 
@@ -350,7 +350,7 @@ def test_the_real_library_loads_through_its_descriptor_despite_a_swap(cache, mon
 
 
 def test_library_owned_by_someone_else_is_refused(tmp_path, monkeypatch):
-    lib = tmp_path / "fair_cast_x.so"
+    lib = tmp_path / "trl_fp8_x.so"
     lib.write_bytes(b"")
     lib.chmod(0o700)
     st = os.lstat(lib)
@@ -465,7 +465,7 @@ def test_a_corrupt_cached_library_is_rebuilt_once_with_a_warning(cache):
     cc = _native._compiler()
     folder, reason = _native._prepare_dir(cache)
     assert reason is None
-    lib_file = cache / f"fair_cast_{_native._cache_tag(_native._probed_key(cc, folder))}.so"
+    lib_file = cache / f"trl_fp8_{_native._cache_tag(_native._probed_key(cc, folder))}.so"
     folder.close()
     # what a crash of an unsynced writer leaves: the right name, a cut file (never loaded by this process before:
     # overwriting a library a process has mapped would crash that process, not test this)
