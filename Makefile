@@ -53,14 +53,24 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
 demo: $(STAMP)
 	$(VENV)/bin/trl-fp8 demo --output-dir $(DEMO_DIR)
 
-# The whole suite: everything in .venv, then the tests that need a real vLLM engine in .venv-vllm.
-test: test-main test-vllm
+# The whole suite: everything in .venv, then the tests that need a real vLLM engine in .venv-vllm. Both always run:
+# a failure in one does not hide the other; `make test` fails if either failed (and says which).
+test:
+	@main=0; vllm=0; \
+	$(MAKE) --no-print-directory test-main || main=$$?; \
+	$(MAKE) --no-print-directory test-vllm || vllm=$$?; \
+	echo "make test: main suite exit $$main, vLLM suite exit $$vllm"; \
+	[ $$main -eq 0 ] && [ $$vllm -eq 0 ]
+
+# The two suites' commands (tests/test_makefile.py swaps them to check that one failure does not hide the other).
+PYTEST_MAIN ?= $(VENV)/bin/python -m pytest -q
+PYTEST_VLLM ?= $(VLLM_ENV) $(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 test-main: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(PYTEST_MAIN)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_ENV) $(VLLM_VENV)/bin/python -m pytest -q -m vllm
+	$(PYTEST_VLLM)
 
 # Needs a checkout of TRL's repository; the reference pass set (MODE=trl) first, then trl_fp8's (MODE=features).
 trl-suite: $(STAMP)

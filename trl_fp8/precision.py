@@ -18,7 +18,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from .sampling import vllm_dtype  # noqa: F401 (the dtype a colocated engine is started with: the decision's)
+from .sampling import vllm_dtype, vllm_mode  # noqa: F401 (vllm_dtype: the dtype a colocated engine is started with)
 
 logger = logging.getLogger("trl_fp8.precision")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -122,8 +122,9 @@ def resolve_precision(args, capabilities=()) -> str | None:
         if note:
             notes += f", {note}"
     if fp16:
-        if getattr(args, "use_vllm", False):
-            notes += (", a colocated vLLM engine in dtype 'half'" if getattr(args, "vllm_mode", None) == "colocate"
+        vllm = vllm_mode(args)
+        if vllm != "off":
+            notes += (", a colocated vLLM engine in dtype 'half'" if vllm == "colocate"
                       else "; start the vLLM server with `trl vllm-serve --dtype half`")
     if asked == "bf16" and not _use_cpu(args):
         slow = [name for name, cc in cuda_devices() if cc < NATIVE_BF16]

@@ -60,7 +60,7 @@ def test_only_stale_staging_folders_are_removed(tmp_path):
 
 
 def test_a_folder_this_process_claimed_is_live_until_it_stops_writing_it(tmp_path):
-    folder = _staging(tmp_path, "_tmp-checkpoint-7")
+    folder = str(tmp_path / "_tmp-checkpoint-7")
     heartbeat = staging.claim(folder)
     try:
         with open(os.path.join(folder, OWNER)) as f:
@@ -206,3 +206,61 @@ def test_a_checkpoint_save_puts_a_stale_complete_staging_copy_into_place_first(t
     with pytest.raises(RuntimeError, match="killed while staging"):
         save.save_checkpoint(_fake_trainer(str(tmp_path), 7), None)
     assert check_complete(str(tmp_path / "checkpoint-7")).complete
+
+
+def _another_vm(pid=4242):
+    """An owner record of a process on another machine (a new Colab/Kaggle VM resumes the run of a dead one)."""
+    return {"pid": pid, "host": socket.gethostname() + "-dead-vm", "started": 1.0, "pid_ns": "pid:[1]",
+            "boot_id": "another-boot"}
+
+
+def test_a_resumed_run_takes_over_its_dead_predecessor_s_fresh_staging_folder(tmp_path, monkeypatch):
+    """Killed while saving step 4 on one VM, resumed on another that reaches step 4's save within STALE_AFTER_S of the
+    dead run's last heartbeat: the save watches the heartbeat for WATCH_S, sees it still, and takes the folder over
+    (before: StagingBusy, and the resumed run died where it should carry on)."""
+    monkeypatch.setattr(staging, "WATCH_S", 0.5)
+    dead = _staging(tmp_path, "_tmp-checkpoint-4", _another_vm(), age_s=20)
+    assert staging.staleness(dead) is None  # by age alone it would still count as live
+    begun = time.monotonic()
+    done = staging.take_over(dead, "checkpoint-4")
+    assert time.monotonic() - begun >= 0.5  # it watched
+    assert "did not refresh it in 0 s of watching" in done or "did not refresh it in 1 s of watching" in done, done
+    assert not os.path.exists(dead)  # the dead run's half-written folder is gone: the save can claim it
+    heartbeat = staging.claim(dead)
+    heartbeat.stop()
+
+
+def test_a_live_save_on_another_machine_is_still_refused(tmp_path, monkeypatch):
+    """Another process (here a second one, on 'another machine' by its owner record) refreshes the heartbeat: the
+    watch sees it move, and the save refuses the folder instead of deleting a save in progress."""
+    monkeypatch.setattr(staging, "WATCH_S", 3.0)
+    folder = _staging(tmp_path, "_tmp-checkpoint-5", _another_vm(), age_s=5)
+    beat = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "path = sys.argv[1]\n"
+        "for _ in range(60):\n"
+        "    os.utime(path)\n"
+        "    time.sleep(0.1)\n"), os.path.join(folder, OWNER)])
+    try:
+        with pytest.raises(staging.StagingBusy, match="being written by another process"):
+            staging.take_over(folder, "checkpoint-5")
+    finally:
+        beat.kill()
+        beat.wait()
+    assert (tmp_path / "_tmp-checkpoint-5" / "model.safetensors").is_file()
+
+
+def test_a_claim_refuses_a_folder_that_appeared_after_the_take_over(tmp_path):
+    """Two jobs in the window between take_over and claim: the second claim finds the first's folder and refuses it
+    (before: it wrote its own owner file into the other job's folder, and both wrote one folder)."""
+    first = staging.claim(str(tmp_path / "_tmp-checkpoint-6"))
+    try:
+        with open(tmp_path / "_tmp-checkpoint-6" / OWNER) as f:
+            owner = f.read()
+        with pytest.raises(staging.StagingBusy, match="claimed by another process"):
+            staging.claim(str(tmp_path / "_tmp-checkpoint-6"))
+        with open(tmp_path / "_tmp-checkpoint-6" / OWNER) as f:
+            assert f.read() == owner  # the first job's owner file, untouched
+        assert [n for n in os.listdir(tmp_path) if n.startswith("_tmp-claim-")] == []  # no draft left behind
+    finally:
+        first.stop()

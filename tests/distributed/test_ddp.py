@@ -115,22 +115,23 @@ def test_same_losses_as_one_process_with_the_same_global_batch(runs):
     two = _load(runs["two"], "ef", 2)[0]
     one = _load(runs["one"], "ef", 1)[0]
     assert one["world"] == 1 and two["world"] == 2
-    for key, tol in (("loss", 1e-4), ("kl", 1e-4), ("grad_norm", 1e-4), ("reward", 0.0)):
+    assert two["served"][0] == one["served"][0]  # the first export: the same bits on any number of processes
+    # step k's metrics come from a forward of the copy exported after step k - 1: comparable while that copy is the
+    # same bits (see _comparable_steps); at least step 1
+    same = next((k for k, (a, b) in enumerate(zip(two["served"], one["served"], strict=True)) if a != b), 3)
+    for key, tol in (("loss", 1e-5), ("kl", 1e-5), ("grad_norm", 1e-5), ("reward", 0.0)):
         x, y = _metric_series(two, key), _metric_series(one, key)
         assert len(x) == len(y) == 3, key
-        assert x == pytest.approx(y, rel=tol, abs=1e-7), key
-    assert _metric_series(two, "loss")[1] > 1e-3  # a real loss (the KL term), not a vacuous zero
-    assert two["served"][0] == one["served"][0]  # the first export: the same bits on any number of processes
-    # The logprob check's gap is the difference of two bf16 forwards of the served copy. On the first step both runs
-    # serve the same bits and generate the same rollouts: the same gap to float order. Later exports differ in a few
-    # elements (DDP sums the two halves' gradients in another order, so the fp32 masters differ by float noise and
-    # error feedback rounds a few of them the other way), and a one-ulp weight moves the two forwards' bf16 roundings
-    # differently: the gap then only keeps its size (measured: 4 % apart at step 3), which is all compared there.
+        assert x[:same] == pytest.approx(y[:same], rel=tol, abs=1e-7), (key, same)
+    assert max(_metric_series(two, "loss")) > 1e-3  # a real loss (the KL term), not a vacuous zero
+    # The logprob check's gap is the difference of two bf16 forwards of the served copy: while both runs serve the same
+    # bits, the same gap to float order. Once an export differs in a few elements (the masters differ by the
+    # all-reduce's float order, and error feedback rounds a few of them the other way), a one-ulp weight moves the two
+    # forwards' bf16 roundings differently: the gap then keeps only its size (AMD EPYC: 4 % apart at step 3).
     gaps_two, gaps_one = _metric_series(two, "sync/logp_gap_mean"), _metric_series(one, "sync/logp_gap_mean")
     assert len(gaps_two) == len(gaps_one) == 3
-    assert gaps_two[0] == pytest.approx(gaps_one[0], rel=1e-6)
-    assert two["served"][1:] != one["served"][1:]  # what the looser comparison below stands on
-    assert all(0.5 < x / y < 2 for x, y in zip(gaps_two[1:], gaps_one[1:], strict=True)), (gaps_two, gaps_one)
+    assert gaps_two[:same] == pytest.approx(gaps_one[:same], rel=1e-5)
+    assert all(0.5 < x / y < 2 for x, y in zip(gaps_two[same:], gaps_one[same:], strict=True)), (gaps_two, gaps_one)
 
 
 def test_duet_plans_as_one_process_with_the_same_global_batch(runs):
@@ -144,9 +145,8 @@ def test_duet_plans_as_one_process_with_the_same_global_batch(runs):
     # The logged "kl" metric is left out: since DUET may give a prompt no rollouts (one rank's rows all placeholders),
     # it differed at step 3 (2 ranks 2.80, one process 1.98) while the losses agree -- an open question about TRL's
     # metric reduction with a fully masked rank, not a training difference.
-    for key, tol in (("duet/tokens", 0.0), ("duet/rollouts_per_prompt/mean", 0.0), ("loss", 1e-4)):
-        x, y = _metric_series(two[0], key), _metric_series(one, key)
-        assert len(x) == len(y) == 3 and x == pytest.approx(y, rel=tol, abs=1e-7), key
+    _assert_same_losses_while_the_same_completions(two, one, ("loss",),
+                                                   exact=("duet/tokens", "duet/rollouts_per_prompt/mean"))
 
 
 def _global_completions(ranks, step):
@@ -158,20 +158,41 @@ def _global_completions(ranks, step):
     return [rows[i] for i in sorted(rows)]
 
 
-def _assert_same_losses_while_the_same_completions(two, one, keys, least=4):
-    """The losses (and ``keys``) of 2 ranks and of one process agree at every step up to the first whose completions
-    differ. Greedy decoding of differently padded batches (a rank's half vs the whole batch) can pick another token
-    at a near tie on some CPUs, and from there the runs legitimately part; that must not come before step ``least``
-    (otherwise nothing was compared)."""
+def _comparable_steps(two, one) -> int:
+    """How many steps of 2 ranks and of one process compute the same thing: up to the first step whose completions
+    differ, and up to the first whose served copy differs. Step k's loss is a forward of the copy exported after step
+    k − 1 on step k's completions; while both are the same bits, 2 ranks and one process differ only by the order of
+    float sums (the batch split in halves, DDP's all-reduce): 1e-5 relative bounds that on any CPU. The runs then
+    legitimately part: greedy decoding of differently padded batches can pick another token at a near tie, and the
+    fp32 masters, which differ by the all-reduce's float order, round to bf16 the other way in a few elements — where
+    and when depends on the CPU's kernels (AVX2, AVX-512, AMX), so nothing past that step is compared but what does
+    not depend on float order (plans, weights, token counts)."""
     steps = len(one["duet"])
     same = 0
-    while same < steps and _global_completions(two, same) == _global_completions([one], same):
+    while same < steps and _global_completions(two, same) == _global_completions([one], same) and \
+            two[0]["served"][same] == one["served"][same]:
         same += 1
-    assert same >= least, f"the completions differ from step {same + 1} on: too early to compare the losses"
-    for key, tol in keys:
-        for rank in two:
+    return same
+
+
+def _assert_same_losses_while_the_same_completions(two, one, keys, exact=()):
+    """``keys`` (float metrics) agree to 1e-5 relative over the comparable steps (at least the first: both start from
+    the same bits, and the first step's completions are the same); ``exact`` (counts the allocation decides) agree
+    exactly up to the first step whose completions differ."""
+    same = _comparable_steps(two, one)
+    assert same >= 1, "the first step's completions or served copies differ: nothing to compare"
+    steps = len(one["duet"])
+    same_completions = 0
+    while same_completions < steps and \
+            _global_completions(two, same_completions) == _global_completions([one], same_completions):
+        same_completions += 1
+    for rank in two:
+        for key in keys:
             x, y = _metric_series(rank, key), _metric_series(one, key)
-            assert len(x) == len(y) == steps and x[:same] == pytest.approx(y[:same], rel=tol, abs=1e-7), (key, same)
+            assert len(x) == len(y) == steps and x[:same] == pytest.approx(y[:same], rel=1e-5, abs=1e-7), (key, same)
+        for key in exact:
+            x, y = _metric_series(rank, key), _metric_series(one, key)
+            assert len(x) == len(y) == steps and x[:same_completions] == y[:same_completions], (key, same_completions)
 
 
 def test_duet_refill_draws_the_same_substitutes_on_two_ranks_as_on_one_process(runs):
@@ -186,9 +207,8 @@ def test_duet_refill_draws_the_same_substitutes_on_two_ranks_as_on_one_process(r
     assert [d["counts"] for d in two[0]["duet"]] == [d["counts"] for d in two[1]["duet"]] == \
         [d["counts"] for d in one["duet"]]
     assert [d["global"] for d in two[0]["duet"]] == [d["global"] for d in one["duet"]]
-    # the loss within 1e-3: 7 steps of DDP's gradient all-reduce (a different summation order) drift it by ~2e-4
-    _assert_same_losses_while_the_same_completions(two, one, (
-        ("duet/refilled_frac", 0.0), ("duet/idle_prompts_frac", 0.0), ("duet/tokens", 0.0), ("loss", 1e-3)))
+    _assert_same_losses_while_the_same_completions(
+        two, one, ("loss",), exact=("duet/refilled_frac", "duet/idle_prompts_frac", "duet/tokens"))
 
 
 def test_duet_pass_rate_allocator_on_two_ranks_learns_and_plans_as_one_process(runs):
@@ -206,7 +226,7 @@ def test_duet_pass_rate_allocator_on_two_ranks_learns_and_plans_as_one_process(r
         [d["counts"] for d in one["duet"]]
     assert any(0 in d["counts"] for d in one["duet"])
     assert [d["global"] for d in two[0]["duet"]] == [d["global"] for d in one["duet"]]
-    _assert_same_losses_while_the_same_completions(two, one, (("loss", 1e-3),))
+    _assert_same_losses_while_the_same_completions(two, one, ("loss",))
 
 
 def test_sigterm_to_one_rank_mid_generation_stops_both_at_the_next_boundary(runs):

@@ -39,6 +39,10 @@ logger = logging.getLogger("trl_fp8.checkpoints")
 
 HEARTBEAT_S = 30.0  # how often a save in progress refreshes its owner file
 STALE_AFTER_S = 600.0  # another host's staging folder without a heartbeat for this long is stale (documented)
+# A save that finds its staging folder owned by another host (or PID namespace, or boot) with a fresh heartbeat
+# watches that heartbeat for two of its intervals: a live save refreshes it, a dead one (the run this one resumes,
+# killed mid-save on another VM) does not. Only the owner file's own timestamps are compared: no clock skew.
+WATCH_S = 2 * HEARTBEAT_S + 5.0
 _ACTIVE: set[str] = set()  # the staging folders this process is writing now
 
 
@@ -133,19 +137,30 @@ class Heartbeat:
 def claim(folder: str) -> Heartbeat:
     """Create ``folder`` owned by this process until the returned heartbeat is stopped: it is built as a
     ``_tmp-claim-*`` sibling holding the owner file, then renamed to ``folder`` — which never exists without its
-    owner file. An existing ``folder`` (made by the caller) gets the owner file written into it whole."""
+    owner file. A ``folder`` that exists already is refused (:class:`StagingBusy`): another job claimed it since the
+    caller's :func:`take_over`, and two jobs must never write one folder."""
     folder = os.path.abspath(folder)
-    if not os.path.isdir(folder):
-        parent = os.path.dirname(folder)
-        draft = os.path.join(parent, f"{TMP_CLAIM}{uuid.uuid4().hex}")
-        os.makedirs(draft)
-        try:
-            _write_owner(draft)
-            os.rename(draft, folder)  # fails when another process claimed ``folder`` meanwhile (it is not empty)
-        except BaseException:
-            remove_tree(draft, "a claim that did not complete")
-            raise
-        fsync_dir(parent)
+    parent = os.path.dirname(folder)
+    busy = StagingBusy(f"{folder} was claimed by another process just now: two runs are saving into {parent} at "
+                       "once. Give each run its own output_dir.")
+    if os.path.lexists(folder):
+        raise busy
+    draft = os.path.join(parent, f"{TMP_CLAIM}{uuid.uuid4().hex}")
+    os.makedirs(draft)
+    try:
+        _write_owner(draft)
+        if os.path.lexists(folder):
+            raise busy
+        os.rename(draft, folder)  # fails when another process claimed ``folder`` meanwhile (it is not empty)
+    except OSError as err:
+        remove_tree(draft, "a claim that did not complete")
+        if os.path.lexists(folder):
+            raise busy from err
+        raise
+    except BaseException:
+        remove_tree(draft, "a claim that did not complete")
+        raise
+    fsync_dir(parent)
     return Heartbeat(folder)
 
 
@@ -214,13 +229,56 @@ class StagingBusy(RuntimeError):
     """A save's staging folder is being written by another live process."""
 
 
+def _foreign_owner(folder: str) -> dict | None:
+    """The owner record of ``folder`` when its process ran on another host, PID namespace or boot (its pid says
+    nothing here), else None."""
+    try:
+        with open(os.path.join(folder, OWNER), encoding="utf-8") as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return None if not isinstance(owner, dict) or _same_kernel(owner) else owner
+
+
+def _heartbeat_moves(folder: str, window_s: float) -> bool:
+    """Whether ``folder``'s owner file is refreshed (or the folder committed or removed by its owner) within
+    ``window_s`` seconds of watching."""
+    path = os.path.join(folder, OWNER)
+
+    def stamp():
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    first, deadline = stamp(), time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        time.sleep(min(1.0, window_s / 10))
+        if not os.path.lexists(folder) or stamp() != first:
+            return True
+    return False
+
+
 def take_over(path: str, what: str) -> str | None:
     """Before a save stages into ``path``: nothing when it does not exist; :class:`StagingBusy` when another process
-    still writes it (:func:`staleness`); else it is settled (:func:`settle`: put into place when it is a step's only
-    complete copy, removed otherwise). ``what``: the save, for the message. Returns what was done."""
+    still writes it (:func:`staleness`; an owner on another host, PID namespace or boot whose heartbeat is younger
+    than :data:`STALE_AFTER_S` is watched for :data:`WATCH_S` seconds, and is stale if it did not refresh it: the run
+    this one resumes, killed mid-save on another machine); else it is settled (:func:`settle`: put into place when it
+    is a step's only complete copy, removed otherwise). ``what``: the save, for the message. Returns what was done."""
     if not os.path.lexists(path):
         return None
     why = staleness(path)
+    owner = _foreign_owner(path) if why is None else None
+    if owner is not None:
+        where = f"process {owner.get('pid')} on {owner.get('host')}"
+        logger.warning("trl_fp8: %s is owned by %s, written less than %.0f s ago; watching its heartbeat for %.0f s "
+                       "before %s (a save in progress refreshes it every %.0f s).", path, where, STALE_AFTER_S,
+                       WATCH_S, what, HEARTBEAT_S)
+        if not _heartbeat_moves(path, WATCH_S):
+            why = f"its owner, {where}, did not refresh it in {WATCH_S:.0f} s of watching"
+        elif not os.path.lexists(path):
+            return None  # its owner committed or removed it meanwhile
     if why is None:
         raise StagingBusy(f"{path} is being written by another process (its {OWNER} names it): two runs are "
                           f"saving {what} into {os.path.dirname(path)} at once. Give each run its own output_dir.")
