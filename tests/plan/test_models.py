@@ -72,3 +72,22 @@ def test_unknown_model_names_the_known_ones(tmp_path):
         resolve_model(tmp_path)
     with pytest.raises(ValueError, match="lacks hidden_size"):
         arch_from_config({"model_type": "llama"})
+
+
+_DENSE = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              vocab_size=100)
+
+
+@pytest.mark.parametrize("config, said", [
+    ({"text_config": {"text_config": dict(_DENSE)}}, "text_config holds another text_config"),
+    ({"text_config": "llama"}, "text_config must be a JSON object"),
+    (dict(_DENSE, num_hidden_layers=10_000), "num_hidden_layers must be an integer from 1 to 1024"),
+    ({k: v for k, v in _DENSE.items() if k != "model_type"}, "lacks model_type"),
+], ids=["nested_text_config", "text_config_not_an_object", "layers_typo", "no_model_type"])
+def test_a_malformed_config_is_refused_by_name_at_once(config, said):
+    """A text_config inside a text_config was followed down (a config whose text_config is itself: a RecursionError),
+    10,000 layers hung the planner, a config without model_type was planned as llama: each is now one ValueError
+    naming the field."""
+    with pytest.raises(ValueError, match=said):
+        arch_from_config(config)
+    assert arch_from_config({"text_config": dict(_DENSE)}).layers == 2  # one level of text_config still plans

@@ -146,6 +146,9 @@ KNOWN_TYPES = ("llama", "mistral", "qwen2")
 MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
               "shared_expert_intermediate_size", "n_shared_experts", "num_experts_per_tok")
 _LIMIT = 2**24  # no dimension of a real model is near this; a larger one is a typo (and overflows the byte counts)
+# The plan lists every layer's tensors: a layer count far above any real decoder's (Llama-3.1-405B has 126) is a typo,
+# refused by name instead of listed for minutes.
+LAYER_LIMIT = 1024
 
 
 def model_key(name: str) -> str:
@@ -156,17 +159,31 @@ def model_key(name: str) -> str:
     return key
 
 
-def _count(get, key: str, default=None) -> int:
+def _count(get, key: str, default=None, limit: int = _LIMIT) -> int:
     value = get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < _LIMIT:
-        raise ValueError(f"model config: {key} must be an integer from 1 to {_LIMIT - 1}, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < limit:
+        raise ValueError(f"model config: {key} must be an integer from 1 to {limit - 1}, got {value!r}.")
     return value
+
+
+def _language_model(config, get):
+    """A multimodal config's ``text_config`` (one level: a ``text_config`` inside it is refused by name), or None."""
+    text = get("text_config")
+    if text is None:
+        return None
+    if not isinstance(text, dict) and not hasattr(text, "to_dict"):
+        raise ValueError(f"model config: text_config must be a JSON object, got {type(text).__name__}.")
+    inner = text.get("text_config") if isinstance(text, dict) else getattr(text, "text_config", None)
+    if inner is not None:
+        raise ValueError("model config: text_config holds another text_config; give the language model's own "
+                         "config.json.")
+    return text
 
 
 def moe_fields(config) -> dict:
     """The mixture-of-experts fields a config sets (a positive number of experts / an expert width), by name."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    text = get("text_config")
+    text = _language_model(config, get)
     if text is not None:
         return moe_fields(text)
     return {k: get(k) for k in MOE_FIELDS if isinstance(get(k), int) and not isinstance(get(k), bool) and get(k) > 0}
@@ -178,12 +195,15 @@ def arch_from_config(config, name: str | None = None) -> Arch:
     if not isinstance(config, dict) and not hasattr(config, "to_dict"):
         raise ValueError(f"model config must be a JSON object (a config.json), got {type(config).__name__}.")
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    text = get("text_config")  # a multimodal config: its language model
+    text = _language_model(config, get)  # a multimodal config: its language model
     if text is not None:
         return arch_from_config(text, name)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                            "vocab_size") if get(k) is None]
-    model_type = str(get("model_type") or "llama")
+    if not get("model_type"):
+        raise ValueError(f"model config lacks model_type: the plan counts the tensors of known types only "
+                         f"({', '.join(KNOWN_TYPES)}) and does not guess one.")
+    model_type = str(get("model_type"))
     experts = moe_fields(config)
     if experts:
         fields = ", ".join(f"{k}={v}" for k, v in experts.items())
@@ -217,7 +237,7 @@ def arch_from_config(config, name: str | None = None) -> Arch:
             raise ValueError(f"model config: {key} must be true or false, got {value!r}.")
     return Arch(
         name=name or str(get("_name_or_path") or model_type),
-        hidden=hidden, intermediate=_count(get, "intermediate_size"), layers=_count(get, "num_hidden_layers"),
+        hidden=hidden, intermediate=_count(get, "intermediate_size"), layers=_count(get, "num_hidden_layers", limit=LAYER_LIMIT + 1),
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=_count(get, "vocab_size"),
         tied=tied, qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
         mlp_bias=bool(get("mlp_bias", False)), model_type=model_type,
