@@ -133,6 +133,20 @@ def test_clean_plain_run_rounds_in_the_engine_and_passes(tmp_path, demo_dir, bf1
     _release(trainer)
 
 
+def _skip_unless_packed(trainer):
+    """The two failure modes below exist where vLLM-CPU packs its linear weights into oneDNN handles (deleting the
+    ``weight`` parameters): on a CPU where its build keeps plain linears (measured on an AVX2-only AMD EPYC), TRL's
+    plain sync loads them and there is nothing to reproduce."""
+    from trl_fp8 import _trl
+
+    model = _trl.vllm_model(trainer.vllm_generation.llm)
+    linears = [m for name, m in model.named_modules() if name.endswith(("qkv_proj", "o_proj", "gate_up_proj"))]
+    if linears and all(isinstance(getattr(m, "weight", None), torch.nn.Parameter) for m in linears):
+        _release(trainer)
+        pytest.skip("this CPU's vLLM build keeps plain (unpacked) linear weights: the packed-weight failure mode "
+                    "does not arise here")
+
+
 def test_trl_sync_fails_on_packed_linears_without_plain_cpu_linears(tmp_path, demo_dir, monkeypatch):
     import contextlib
 
@@ -141,6 +155,7 @@ def test_trl_sync_fails_on_packed_linears_without_plain_cpu_linears(tmp_path, de
     # Failure mode 1 of vLLM-CPU: linear weights packed into oneDNN handles, parameters deleted
     monkeypatch.setattr(trl_fp8._trl, "engine_context", lambda decision: contextlib.nullcontext())
     trainer = _trainer(tmp_path, demo_dir, sync_checks="off", fair_cast="off", max_steps=1)
+    _skip_unless_packed(trainer)
     with pytest.raises(AttributeError, match="weight_loader"):
         trainer.train()
     _release(trainer)
@@ -165,6 +180,7 @@ def test_freshness_catches_the_stale_tied_lm_head_of_reload_weights(tmp_path, de
 
     monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_sync)
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["freshness"], max_steps=2)
+    _skip_unless_packed(trainer)
     with pytest.raises(trl_fp8.WeightSyncError) as info:
         trainer.train()
     assert info.value.check == "freshness"
