@@ -169,6 +169,22 @@ def test_logprob_agreement_catches_a_small_persistent_drift_on_its_third_evaluat
     _fails(trainer, "logprob_agreement", "at step 6", "the sampler's path term")
 
 
+def test_logprob_agreement_stops_a_gap_present_from_the_first_step(tmp_path, demo_dir):
+    """What weight checks cannot see — another base, another config on the serving side — present from step 0: the
+    band is the bound precision explains from the first evaluation, so the gap is never learned as normal (a band
+    calibrated on the first evaluations admitted it and the run trained on)."""
+    trainer = _trainer(tmp_path, demo_dir, sync_checks=["logprob_agreement"], max_steps=8)
+    sampler = trainer.capability("fair_cast").sampler
+    load, embed = sampler.load, "model.embed_tokens.weight"
+
+    def other_base(named):  # every sync, from the first: a 3 % error in the served embedding (another checkpoint)
+        load(named)
+        sampler.read(embed).mul_(1.03)
+
+    sampler.load = other_base
+    _fails(trainer, "logprob_agreement", "at step 2", "exceeds the band", "path calibrating")
+
+
 def test_differential_oracle_catches_a_non_idempotent_load(tmp_path, demo_dir):
     trainer = _trainer(tmp_path, demo_dir, sync_checks=["differential_oracle"])
     sampler, load = trainer.capability("fair_cast").sampler, trainer.capability("fair_cast").sampler.load

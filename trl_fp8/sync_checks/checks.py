@@ -25,7 +25,7 @@ from .tokenstats import (  # noqa: F401 (re-exported: the checks' token statisti
 from .names import CHECKS, DEFAULT_CHECKS, resolve_checks  # noqa: F401 (re-exported)
 RECIPE_FIELDS = ("dtype", "format", "block_size", "scale_dtype", "scale_rounding", "excluded", "kernel", "cast")
 # logprob agreement (see LogprobBand): the gap the sampler's precision explains is measured on every evaluated batch
-LOGPROB_BAND_FACTOR = 3.0  # the mean gap may be this multiple of the gap the sampler's precision explains ...
+LOGPROB_BAND_FACTOR = 3.0  # the mean gap may be this multiple of the gap the sampler's precision explains (≥ 1 + √2) ...
 LOGPROB_BAND_FLOOR = 0.01  # ... or this absolute floor, whichever is larger (per-token noise is real)
 LOGPROB_PERSISTENCE = 3  # an over-band gap fails on this many consecutive evaluations (one spike does not)
 LOGPROB_GROSS_FACTOR = 10.0  # a mean gap over max(log(LOGPROB_MAX_RATIO), this × band) fails at once ...
@@ -33,7 +33,7 @@ LOGPROB_MAX_RATIO = 1.05  # ... (the gross ceiling never drops below exp(mean ga
 LOGPROB_GROSS_Z = 3.0  # ... when even the mean minus this many standard errors of it is over the ceiling
 LOGPROB_CALIBRATION = 3  # fallback without numerics: the reference is enforced after this many evaluations ...
 LOGPROB_FALLBACK_FACTOR = 3.0  # ... and the band is this multiple of the largest gap that passed so far
-LOGPROB_PATH_FACTOR = 3.0  # the sampler's own path (decoding, kernels) may reach this multiple of its calibration
+LOGPROB_PATH_FACTOR = 3.0  # with an approximate ρ (ZeRO-3): the sampler's path may reach this multiple of its calibration
 LOGPROB_REFERENCE_EVERY = 32  # after calibration, ρ is measured on every 32nd evaluation; between, its terms are held
 
 
@@ -222,29 +222,27 @@ class LogprobBand:
     - ``path`` = mean |ρ − μ|: the same weights and dtype, computed by the sampler itself: its decoding path and
       kernels — and any fault (stale or corrupted weights, a wrong cache), since ρ never reads the sampler's state.
 
-    The path term has no independent measure, so it is calibrated: ``path_reference`` is the largest path term
-    that passed on an evaluation whose sync was verified (bitwise freshness passed, or could not run), and once
-    ``calibration`` evaluations have fed it,
+    The band is an absolute bound from the two sides' precisions (:meth:`bound`), in force from the first evaluation:
 
-        band = max(floor, factor × explained, path_factor × path_reference)
+        band = max(floor, factor × explained)
 
-    (the gap is at most explained + path ≤ 2 × the larger of the two, so a factor of 3 leaves 1.5× headroom on
-    their sum). While it calibrates, only the gross rule runs.
+    A band learned from a run's first evaluations would absorb whatever gap exists then — another base on the
+    server, a missing adapter, a wrong dtype from step 0 would become "normal" — so nothing the run shows widens it.
+    The path term has no independent measure; it is calibrated only for its own gross ceiling:
+    ``path_reference`` is the largest path term that passed on an evaluation whose sync was verified (bitwise
+    freshness passed, or could not run), enforced once ``calibration`` evaluations have fed it.
 
     ρ costs a forward, so once calibrated it is measured on every ``reference_every``-th evaluation
     (:meth:`reference_due`); an evaluation without it is judged on all its tokens against the band of the last
     measured precision term (*held*). Over that band nothing fails yet: ρ is measured on the next evaluation, and
-    only measured evaluations count towards ``persistence``. Without ``numerics_logps`` ever (a path that cannot
-    compute ρ) the band falls back to ``max(fallback_factor × reference, floor)``, where ``reference`` is the largest
-    gap that has passed so far, likewise enforced after ``calibration`` evaluations. The calibrated terms follow slow
-    growth, so they catch a sudden, lasting jump of the gap (a stale or corrupted sampler), not a fault present from
-    the first evaluation below the gross ceiling, nor one that creeps in more slowly than the policy sharpens: the
-    weight checks (coverage, freshness, quant_parity) see those.
+    only measured evaluations count towards ``persistence``. Where ρ is not exact (``exact=False``: ZeRO-3's
+    autocast approximation) or never given, the band calibrates — ``max(factor × explained, path_factor ×
+    path_reference)``, or ``fallback_factor × reference`` with ``reference`` the largest gap that has passed — and
+    never exceeds the absolute bound ``max(floor, log max_ratio)``, which also holds while it calibrates.
 
     An evaluation is *over* when gap > band. The check fails after ``persistence`` consecutive over-evaluations
     (a one-batch spike passes), and at once on a non-finite gap, a gross excess
-    ``gap − gross_z × se > max(log(max_ratio), gross_factor × band)`` (band: the floor and the explained term while
-    calibrating), or a gross path term ``path > max(log(max_ratio), gross_factor × path_reference)``.
+    ``gap − gross_z × se > max(log(max_ratio), gross_factor × band)``, or a gross path term ``path > max(log(max_ratio), gross_factor × path_reference)``.
 
     ``se`` is the standard error of the mean gap, ``sqrt(s² / n)`` with ``s²`` the sample variance of the ``n``
     judged tokens' gaps (infinite for one token): the gross rule stops a run at once only when the mean is over the
@@ -278,6 +276,7 @@ class LogprobBand:
         self.held: tuple[float, int] | None = None  # (explained, step) of the last evaluation that measured ρ
         self.since_reference = 0  # evaluations judged since ρ was last measured
         self.remeasure = False  # a held evaluation was over its band: measure ρ on the next one
+        self.exact = True  # ρ is computed the way the sampler computes (False: ZeRO-3's autocast approximation)
 
     def reference_due(self) -> bool:
         """Whether the next evaluation should measure ρ: every evaluation while the path term calibrates, then
@@ -288,27 +287,57 @@ class LogprobBand:
             return True
         return self.since_reference + 1 >= self.reference_every
 
-    def band(self, explained: float | None, path: float | None = None) -> tuple[float | None, str]:
-        """(the band, how it was derived) for this evaluation; (None, why) while it calibrates."""
-        if explained is not None:
-            if self.path_reference is None or self.path_evaluations < self.calibration:
-                return None, (f"the floor {self.floor:g} and numerics explain {explained:.4g} × {self.factor:g} (path "
-                              f"calibrating {self.path_evaluations}/{self.calibration})")
-            scaled = max(self.factor * explained, self.path_factor * self.path_reference)
-            said = (f"the larger of numerics explain {explained:.4g} × {self.factor:g} and sampler path "
-                    f"{self.path_reference:.4g} × {self.path_factor:g}")
+    def bound(self, explained: float | None) -> tuple[float, str]:
+        """The absolute bound on the mean gap, from the two sides' precisions alone — what no calibration may widen.
+        With an exact precision term (ρ computed the way the sampler computes): ``max(floor, factor × explained)``. The
+        learner's π differs from ρ by one rounding process at the sampler's precision (``explained``); the sampler's μ
+        by ρ's and its own path's, two of the same size, so ``E|π − μ| ≤ E|π − ρ| + E|ρ − μ| ≈ (1 + √2) × explained``
+        (two independent roundings differ by √2 of one) — the factor 3 covers that with margin for a batch's spread
+        (clean runs on record: at most 2.8 × explained above the floor). Without one (no numerics logprobs, or ZeRO-3's
+        approximate ρ): ``max(floor, log max_ratio)``, a mean probability ratio of ``max_ratio``."""
+        if explained is not None and self.exact:
+            scaled = self.factor * explained
             if scaled >= self.floor:
-                return scaled, said
-            return self.floor, f"floor {self.floor:g} ({said} = {scaled:.4g})"
-        if self.reference is None or self.evaluations < self.calibration:
-            return None, f"the floor {self.floor:g} (no numerics logprobs; fallback calibrating {self.evaluations}/" \
-                         f"{self.calibration})"
-        scaled = self.fallback_factor * self.reference
+                return scaled, f"numerics explain {explained:.4g} × {self.factor:g}"
+            return self.floor, f"floor {self.floor:g} (numerics explain {explained:.4g} × {self.factor:g} = {scaled:.4g})"
+        return max(self.floor, math.log(self.max_ratio)), f"the absolute bound log {self.max_ratio:g}"
+
+    def calibrating(self, explained: float | None) -> bool:
+        """Whether a band without an exact ρ is still calibrating (an exact ρ's band never calibrates)."""
+        if explained is not None and self.exact:
+            return False
+        if explained is not None:
+            return self.path_reference is None or self.path_evaluations < self.calibration
+        return self.reference is None or self.evaluations < self.calibration
+
+    def band(self, explained: float | None, path: float | None = None) -> tuple[float, str]:
+        """(the band, how it was derived) for this evaluation. With an exact precision term the band *is* the bound
+        (:meth:`bound`), from the first evaluation on: a gap present from step 0 (another base, a missing adapter, a
+        wrong dtype) is judged against what precision explains, never learned. Without one, the band calibrates on
+        the first evaluations (the largest passing path term, or gap) and never admits more than the bound."""
+        bound, said = self.bound(explained)
+        if explained is not None and self.exact:
+            if self.path_reference is None or self.path_evaluations < self.calibration:
+                said += f" (path calibrating {self.path_evaluations}/{self.calibration})"
+            return bound, said
+        if explained is not None:  # an approximate ρ: its path term calibrates, under the bound
+            if self.path_reference is None or self.path_evaluations < self.calibration:
+                return bound, f"{said} (approximate numerics; path calibrating {self.path_evaluations}/" \
+                              f"{self.calibration})"
+            scaled = max(self.factor * explained, self.path_factor * self.path_reference)
+            what = (f"the larger of numerics explain {explained:.4g} × {self.factor:g} and sampler path "
+                    f"{self.path_reference:.4g} × {self.path_factor:g}")
+        else:
+            if self.reference is None or self.evaluations < self.calibration:
+                return bound, f"{said} (no numerics logprobs; fallback calibrating {self.evaluations}/" \
+                              f"{self.calibration})"
+            scaled = self.fallback_factor * self.reference
+            what = f"no numerics logprobs: largest passing gap {self.reference:.4g} × {self.fallback_factor:g}"
+        if scaled > bound:
+            return bound, f"{said} ({what} = {scaled:.4g}, capped)"
         if scaled >= self.floor:
-            return scaled, (f"no numerics logprobs: largest passing gap {self.reference:.4g} × "
-                            f"{self.fallback_factor:g}")
-        return self.floor, (f"floor {self.floor:g} (no numerics logprobs: largest passing gap {self.reference:.4g} × "
-                            f"{self.fallback_factor:g} = {scaled:.4g})")
+            return scaled, what
+        return self.floor, f"floor {self.floor:g} ({what} = {scaled:.4g})"
 
     def _uncertain_gross(self, what: str, held: bool, metrics: dict) -> CheckResult:
         """An evaluation over a gross ceiling within ``gross_z`` standard errors of it (``self.over`` already
@@ -376,13 +405,14 @@ class LogprobBand:
         limit, derivation = self.band(explained, path)
         if held:
             derivation += f", held from step {self.held[1]}"
-        used = limit if limit is not None else max(self.floor, self.factor * explained if explained else 0.0)
+        # the gross ceiling's base: the band; while a band without an exact ρ calibrates, the floor (its bound is a
+        # policy's 5 %, not a measured precision: ten times it would let a gross desync run for three evaluations)
+        used = self.floor if self.calibrating(explained) else limit
         if held:
             metrics["logp_gap_numerics_held"] = explained
         ceiling = max(math.log(self.max_ratio), self.gross_factor * used)
-        if limit is not None:
-            metrics["logp_gap_limit"] = limit
-            metrics["logp_over_band_frac"] = over_fraction(stats, limit)
+        metrics["logp_gap_limit"] = limit
+        metrics["logp_over_band_frac"] = over_fraction(stats, limit)
         where = f" at masked token {stats['where']}" if stats.get("where") is not None else ""
         said = f"mean |logπ_learner − logμ_sampler| {gap:.4g} at step {step} (max gap {worst:.4g}{where})"
         if explained is not None and not held:
@@ -409,12 +439,12 @@ class LogprobBand:
                 f"{said}: the sampler's path term {path:.4g} exceeds its gross ceiling {path_ceiling:.4g} = "
                 f"max(log {self.max_ratio:g}, {self.gross_factor:g} × calibrated path {self.path_reference:.4g}): "
                 "fails at once", metrics)
-        if limit is not None and gap > limit and held:
+        if gap > limit and held:
             # over a band whose precision term was measured on other rollouts, earlier: measure ρ on the next
             # evaluation and judge there (a healthy batch can hold lower-probability tokens than the measured one)
             self.remeasure = True
             return CheckResult(name, True, metrics=metrics)
-        if limit is not None and gap > limit:
+        if gap > limit:
             self.over += 1
             if self.over >= self.persistence:
                 return CheckResult(

@@ -150,6 +150,7 @@ class SyncChecks(Capability):
         self.monitor = SyncMonitor(checks, sampler, learner, args.sync_check_interval, args.sync_check_action,
                                    record=lambda name, value: _trl.record_metric(trainer, name, value),
                                    ranks=ranks if self.distributed else None)
+        self.monitor.band.exact = not self.collective_forward  # ZeRO-3's ρ is an autocast approximation
         self.numerics_dtype = offer.dtype if offer is not None and offer.dtype is not None else \
             self._engine_dtype(trainer)
         self._tap = self._tap_handle = None
