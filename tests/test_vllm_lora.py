@@ -329,6 +329,67 @@ def test_weight_sync_checks_observe_the_lora_push(engine, tiny_model_dir):
 
 
 @pytest.mark.vllm
+def test_served_identity_and_what_the_kernels_read_after_the_rollouts(engine, tiny_model_dir):
+    """The engine's base and the learner's agree tensor by tensor (packed layers sliced, the LoRA wrappers' base
+    looked through); another base tensor, another tokenizer, another quantization are named. After the rollouts the
+    slots the kernels read are digested again: an overwritten slot is named."""
+    from transformers import AutoTokenizer
+
+    from trl_fp8.digest import tensor_digest
+    from trl_fp8.sync_checks import checks as C
+    from trl_fp8.sync_checks import identity
+    from trl_fp8.tokenization import build_char_tokenizer
+
+    llm, spec = engine
+    model = _peft(tiny_model_dir)
+    generation, lora, state = _install(llm, spec, model)
+    try:
+        generation.sync_weights()
+        sampler = lora_sampler(lora)
+        names = [n for n, _ in identity.learner_base(model)]
+        assert "model.layers.0.self_attn.q_proj.weight" in names and not [n for n in names if "lora" in n]
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        ours = identity.learner_identity(model, torch.float32, tokenizer, None)
+        theirs = sampler.identity(names)
+        result = identity.compare(ours, theirs, "the engine", "FIX")
+        assert result.passed and result.metrics["identity_tensors"] == len(names), result.message
+
+        param = dict(_trl_model(llm).named_parameters())
+        target = next(n for n in param if n.endswith("layers.1.mlp.down_proj.base_layer.weight"))
+        saved = param[target].data.clone()
+        param[target].data.view(-1)[7] += 0.5  # another checkpoint of the same shapes, in one element
+        try:
+            result = identity.compare(ours, sampler.identity(names), "the engine", "FIX")
+        finally:
+            param[target].data.copy_(saved)
+        assert not result.passed and "'model.layers.1.mlp.down_proj.weight'" in result.message and "FIX" in \
+            result.message, result.message
+        other = build_char_tokenizer()
+        other.add_tokens(["<extra>"])
+        result = identity.compare(identity.learner_identity(model, torch.float32, other, None), theirs, "E", "FIX")
+        assert not result.passed and "tokenizer" in result.message
+        result = identity.compare(identity.learner_identity(model, torch.float32, tokenizer, "bitsandbytes"), theirs,
+                                  "E", "FIX")
+        assert not result.passed and "base quantization differs" in result.message and "'bitsandbytes'" in \
+            result.message
+
+        sent = {n: tensor_digest(t) for n, t in state["factors"].items()}
+        assert C.served_after_rollouts(0, 0, sent, sampler.served_digests(sent)).passed
+        name = "base_model.model.model.layers.0.self_attn.v_proj.lora_B.default.weight"
+        sampler.read(name).mul_(1.5)  # the slot the kernels read is overwritten after the sync
+        result = C.served_after_rollouts(1, 0, sent, sampler.served_digests(sent))
+        assert not result.passed and f"'{name}' is not what the sync at step 0 sent" in result.message
+    finally:
+        lora.uninstall()
+
+
+def _trl_model(llm):
+    from trl_fp8 import _trl
+
+    return _trl.vllm_model(llm)
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("base", ["16bit", "4bit"])
 def test_trl_trainer_syncs_adapters_and_never_merges(tmp_path, demo_dir, base):
     """TRL's GRPOTrainer (through trl_fp8's) with a PEFT LoRA policy and a colocated engine: each sync pushes the

@@ -152,3 +152,87 @@ def test_a_rollout_generated_without_the_adapter_stops_the_run(server, tmp_path,
     assert "the learner synced adapter version 0" in message
     lora.close()
     assert proc.poll() is None and _serves(base)
+
+
+def _lora_trainer(port, tmp_path, model=None, **overrides):
+    from peft import LoraConfig
+
+    import trl_fp8
+    from trl_fp8.app.tasks.chat_math import boxed_format_reward, correctness_reward, make_chat_math_dataset
+    from trl_fp8.models import SMOLLM2, resolve_model
+
+    kwargs = dict(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=2, learning_rate=1e-4,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, use_vllm=True, vllm_mode="server",
+        vllm_server_port=port, fair_cast="stochastic", sync_checks="default")
+    kwargs.update(overrides)
+    return trl_fp8.GRPOTrainer(model=model or resolve_model(SMOLLM2),
+                               reward_funcs=[correctness_reward, boxed_format_reward], args=trl_fp8.GRPOConfig(**kwargs),
+                               train_dataset=make_chat_math_dataset(16, seed=0),
+                               peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+
+
+@pytest.mark.vllm
+def test_another_base_on_the_server_stops_the_run_before_the_first_rollout(server, tmp_path):
+    """The learner's checkpoint differs from the server's in one base tensor (another checkpoint of the same shapes):
+    the served identity, compared before the first rollout, names the tensor and the command that fixes it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import trl_fp8
+    from trl_fp8.models import SMOLLM2, resolve_model
+
+    base, port, proc, _ = server
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(SMOLLM2), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[3].mlp.up_proj.weight[5, 9] += 0.25
+    with pytest.raises(trl_fp8.WeightSyncError) as info:
+        _lora_trainer(port, tmp_path, model=model).train()
+    message = str(info.value)
+    assert info.value.check == "recipe_parity" and "'model.layers.3.mlp.up_proj.weight'" in message, message
+    assert "the vLLM server computes with is not the learner's" in message and "trl-fp8 vllm-serve --model" in message
+    assert proc.poll() is None and _serves(base)
+
+
+@pytest.mark.vllm
+def test_the_serving_version_reloaded_in_place_is_caught_at_the_step_whose_rollouts_it_touched(server, tmp_path):
+    """An outside client reloads the current version in place (same name, same LoRA id) with A × 1.5 between the sync's
+    checks and the rollouts: the name, the id and the version every response names still agree; the digests of the
+    slots the server's kernels read, taken after the rollouts, do not. (A, not B: B is still 0 from PEFT's init
+    while no reward moves it.)"""
+    from safetensors.torch import load_file, save_file
+
+    import trl_fp8
+
+    base, port, proc, _ = server
+    trainer = _lora_trainer(port, tmp_path)
+    lora = trainer.offer().sampler.lora
+    generate, reloaded = lora.client.generate, []
+
+    def reload_in_place_then_generate(*a, **k):
+        if not reloaded:
+            name = lora.current[0]
+            folder = os.path.join(lora.root, name)
+            tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
+            other = tmp_path / f"{name}-other"
+            other.mkdir()
+            save_file({k: (v * 1.5 if ".lora_A." in k else v).contiguous() for k, v in tensors.items()},
+                      str(other / "adapter_model.safetensors"))
+            (other / "adapter_config.json").write_text(open(os.path.join(folder, "adapter_config.json")).read())
+            body = json.dumps({"lora_name": name, "lora_path": str(other), "load_inplace": True}).encode()
+            request = urllib.request.Request(f"{base}/v1/load_lora_adapter", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:  # answers in plain text
+                assert response.status == 200
+            reloaded.append(name)
+        return generate(*a, **k)
+
+    lora.client.generate = reload_in_place_then_generate
+    with pytest.raises(trl_fp8.WeightSyncError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert reloaded and info.value.check == "freshness" and "after the rollouts of step 0" in message, message
+    assert ".lora_A." in message and "is not what the sync at step 0 sent" in message
+    lora.close()
+    assert proc.poll() is None and _serves(base)

@@ -66,6 +66,7 @@ class Sampler:
     synced = True  # weights are synced into it (False: it computes from the learner's own, e.g. a rollout cache)
     has_prefix_cache = False  # keeps a prefix/KV cache across generate calls
     cache_observable = False  # ... whose state cached_blocks()/reset_cache() can report
+    serves_digests = False  # served_digests() reports what it computes with now (re-verified after each generation)
 
     def manifest(self) -> dict[str, tuple[tuple, torch.dtype]]:
         """Learner name -> (shape, dtype) of every tensor the sampler serves."""
@@ -119,6 +120,22 @@ class Sampler:
 
     def cold(self, named: dict[str, torch.Tensor]):
         """A fresh sampler built directly from ``named`` (bypassing the load path), or None if impossible."""
+        return None
+
+    def begin_round(self) -> None:
+        """A round of checks begins: nothing read before it may be reused (a sampler that reads remotely forgets
+        what it read)."""
+
+    def served_digests(self, names: Iterable[str]) -> dict[str, str] | None:
+        """The digests (:func:`trl_fp8.digest.tensor_digest`) of what the sampler computes with now, by learner name
+        — computed where it lives; None where it cannot say. The checks compare them with the last sync's after each
+        generation: a copy changed after the sync (a reload in place, an overwritten slot) is caught at the step
+        whose rollouts it touched."""
+        return None
+
+    def identity(self, names: Iterable[str]) -> dict | None:
+        """The served identity of the sampler's base (:func:`trl_fp8.sync_checks.identity.engine_identity`) under
+        the learner's base names, or None where the base is not loaded separately (it is streamed, or shared)."""
         return None
 
 
@@ -219,24 +236,34 @@ class VLLMColocateSampler(Sampler):
     label = "vllm-colocate"
     has_prefix_cache = cache_observable = True
 
-    def __init__(self, llm, learner_names: Iterable[str]):
+    def __init__(self, llm, learner_names: Iterable[str], model: torch.nn.Module | None = None):
+        """``model``: the engine's model where there is no ``llm`` to reach it through (a server worker reading its
+        own base for the served-identity check); read-only use then (no version, no cache)."""
         self.llm = llm
-        self.model = _trl.vllm_model(llm)
+        self.model = model if model is not None else _trl.vllm_model(llm)
         self._params = dict(self.model.named_parameters())
+        # an engine started with LoRA wraps each target layer: its weight is the wrapper's ``base_layer``'s
+        self._wrapped = {n.replace(".base_layer.", "."): n for n in self._params if ".base_layer." in n}
         self._where = {n: self._locate(n) for n in learner_names}
+
+    def _param_name(self, name: str) -> str | None:
+        if name in self._params:
+            return name
+        return self._wrapped.get(name)
 
     # learner name -> (vLLM parameter name, shard index or None, row offset, rows)
     def _locate(self, name: str):
-        if name in self._params:
-            return name, None, 0, self._params[name].shape[0] if self._params[name].ndim else 0
+        own = self._param_name(name)
+        if own is not None:
+            return own, None, 0, self._params[own].shape[0] if self._params[own].ndim else 0
         module_path, _, leaf = name.rpartition(".")
         parent, _, proj = module_path.rpartition(".")
         for fused, parts in (getattr(type(self.model), "packed_modules_mapping", None) or {}).items():
             if proj in parts:
-                fused_name = f"{parent}.{fused}.{leaf}"
-                if fused_name not in self._params:
+                fused_name = self._param_name(f"{parent}.{fused}.{leaf}")
+                if fused_name is None:
                     continue
-                module = self.model.get_submodule(f"{parent}.{fused}")
+                module = self.model.get_submodule(fused_name.rpartition(".")[0])
                 sizes = list(module.output_sizes) if hasattr(module, "output_sizes") else None
                 if sizes is None or len(sizes) != len(parts):  # e.g. qkv with output_sizes on the module only
                     continue
@@ -403,6 +430,7 @@ class VLLMLoraSampler(AdapterVersions, Sampler):
 
     label = "vllm-colocate-lora"
     has_prefix_cache = cache_observable = True
+    serves_digests = True
 
     def __init__(self, lora, learner_names):
         self.lora = lora
@@ -414,13 +442,6 @@ class VLLMLoraSampler(AdapterVersions, Sampler):
         from ._trl.vllm_lora import _locate, peft_to_vllm_name
 
         self._where = {n: _locate(manager, peft_to_vllm_name(n, lora.spec.adapter)) for n in learner_names}
-
-    def _slot(self) -> int:
-        current = self.lora.current
-        ids = self.lora.manager.lora_index_to_id
-        if current is None or current.lora_id not in ids:
-            raise RuntimeError("the engine holds no current LoRA version in its slots")
-        return ids.index(current.lora_id)
 
     def _registered(self, module: str, index: int, is_a: bool):
         current = self.lora.current
@@ -450,19 +471,39 @@ class VLLMLoraSampler(AdapterVersions, Sampler):
         return targets
 
     def read(self, name):
+        from ._trl.vllm_lora import slot_factor
+
         where = self._where.get(name)
         if where is None:
             raise KeyError(f"the vLLM engine has no LoRA layer for '{name}'")
-        module, index, is_a = where
-        registered = self._registered(module, index, is_a)
-        if registered is None:
+        current = self.lora.current
+        if current is None:
+            raise KeyError(f"the engine serves no LoRA version, so nothing for '{name}'")
+        try:
+            tensor = slot_factor(self.lora.manager, current.lora_id, where)
+        except LookupError:
+            raise RuntimeError("the engine holds no current LoRA version in its slots") from None
+        if tensor is None:
             raise KeyError(f"the current LoRA version holds nothing for '{name}'")
-        layer, slot = self.lora.manager.modules[module], self._slot()
-        if is_a:
-            rank, cols = registered.shape
-            return layer.lora_a_stacked[index][slot, 0, :rank, :cols]
-        rows, rank = registered.shape
-        return layer.lora_b_stacked[index][slot, 0, :rows, :rank]
+        return tensor
+
+    def served_digests(self, names):
+        from .digest import tensor_digest
+
+        out = {}
+        for name in names:
+            try:
+                out[name] = tensor_digest(self.read(name))
+            except KeyError:
+                continue
+        return out
+
+    def identity(self, names):
+        from .sync_checks.identity import engine_identity
+
+        config = self.llm.llm_engine.model_config
+        return engine_identity(_trl.vllm_model(self.llm), list(names), config.dtype, config.quantization,
+                               self.llm.get_tokenizer())
 
     def sequence_logprobs(self, prompts, completions, temperature=1.0):
         return self.lora.sequence_logprobs(prompts, completions, temperature)
@@ -484,6 +525,7 @@ class VLLMServerLoraSampler(AdapterVersions, Sampler):
 
     label = "vllm-server-lora"
     has_prefix_cache = True
+    serves_digests = True
     cache_observable = False
 
     def __init__(self, lora):
@@ -508,3 +550,12 @@ class VLLMServerLoraSampler(AdapterVersions, Sampler):
 
     def recipe(self):
         return {name: numerics.dense(dtype) for name, (_, dtype) in self.manifest().items()}
+
+    def begin_round(self):
+        self.lora.forget()
+
+    def served_digests(self, names):
+        return self.lora.served_digests(names)
+
+    def identity(self, names):
+        return self.lora.identity(names)

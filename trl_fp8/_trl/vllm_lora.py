@@ -134,6 +134,29 @@ def _locate(manager, vllm_name: str):
     return None
 
 
+def slot_factor(manager, lora_id: int, where) -> torch.Tensor | None:
+    """The factor the LoRA kernels read for adapter ``lora_id`` at ``where`` (:func:`_locate`'s answer): the slice of
+    its layer's stacked buffer (``lora_a_stacked`` / ``lora_b_stacked``) at the adapter's slot, cut to the registered
+    factor's shape. None where the adapter holds nothing there; ``LookupError`` where it holds no slot."""
+    module, index, is_a = where
+    model = manager.get_adapter(lora_id)
+    weights = model.get_lora(module) if model is not None else None
+    if weights is None:
+        return None
+    registered = weights.lora_a if is_a else weights.lora_b
+    registered = registered[index] if isinstance(registered, list) else registered
+    if registered is None:
+        return None
+    if lora_id not in manager.lora_index_to_id:
+        raise LookupError(f"LoRA id {lora_id} holds no slot")
+    slot, layer = manager.lora_index_to_id.index(lora_id), manager.modules[module]
+    if is_a:
+        rank, cols = registered.shape
+        return layer.lora_a_stacked[index][slot, 0, :rank, :cols]
+    rows, rank = registered.shape
+    return layer.lora_b_stacked[index][slot, 0, :rows, :rank]
+
+
 def check_complete(tensors: dict) -> None:
     """Refuse a push (``{saved-adapter key: factor}``) that sends nothing, or a LoRA layer without both halves."""
     if not tensors:

@@ -158,32 +158,61 @@ class VLLMServerLoraStream(AdapterVersionStream):
             raise RuntimeError(f"unloading LoRA version {name!r}: {response.status_code} {response.text}")
         shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
-    def worker_state(self, keep_latest: bool = False, names=None) -> dict:
-        """What the server's workers hold (one answer per worker, which must agree): the newest LoRA id, the ids
-        resident, and with ``names`` the factors of the newest version under those PEFT names."""
-        request = {"keep_latest": keep_latest, "names": list(names or ()), "adapter": self.spec.adapter}
+    def _rpc(self, method: str, request: dict) -> list:
         results = self.client._post(f"{self.client.base_url}/collective_rpc",
-                                    json={"method": "trl_fp8_lora_state", "args": [json.dumps(request)]})["results"]
+                                    json={"method": method, "args": [json.dumps(request)]})["results"]
         if not results or any(isinstance(r, str) for r in results):
-            raise RuntimeError(f"the vLLM server's workers did not answer trl_fp8_lora_state ({results!r:.300}): "
-                               f"start the server with `trl-fp8 vllm-serve` (--worker-extension-cls "
-                               f"{WORKER_EXTENSION}).")
+            raise RuntimeError(f"the vLLM server's workers did not answer {method} ({results!r:.300}): start the server "
+                               f"with `trl-fp8 vllm-serve` (--worker-extension-cls {WORKER_EXTENSION}).")
+        return results
+
+    def worker_state(self, keep_latest: bool = False, names=None, digests: bool = False) -> dict:
+        """What the server's workers hold (one answer per worker, which must agree): the newest LoRA id, the ids
+        resident, and with ``names`` the newest version's factors under those PEFT names as its LoRA kernels read
+        them (its slot buffers), or with ``digests`` their digests only."""
+        request = {"keep_latest": keep_latest, "names": list(names or ()), "adapter": self.spec.adapter,
+                   "digests": digests}
+        results = self._rpc("trl_fp8_lora_state", request)
         first = results[0]
         if any(r["id"] != first["id"] or r["resident"] != first["resident"] for r in results[1:]):
             raise RuntimeError(f"the vLLM server's workers disagree on the LoRA versions they hold: {results!r:.300}")
         return first
 
     def read_back(self) -> dict[str, torch.Tensor]:
-        """The current version's factors as the server's workers hold them, by PEFT name (read once per version)."""
+        """The current version's factors as the server's LoRA kernels read them (its workers' slot buffers), by PEFT
+        name: read once per round of checks (:meth:`forget`), never kept per version name — a reload in place keeps
+        the name and changes the content."""
         if self.current is None:
             return {}
-        if self._read is None or self._read[0] != self.current[0]:
+        if self._read is None:
             state = self.worker_state(names=list(self.last_sent))
             if state["id"] != self.current[2]:
                 raise RuntimeError(f"the server's newest LoRA id is {state['id']}, the current version's "
                                    f"{self.current[2]}")
             self._read = (self.current[0], {n: decode_tensor(b) for n, b in state["tensors"].items()})
         return self._read[1]
+
+    def forget(self) -> None:
+        """A round of checks begins: the next read-back asks the server again."""
+        self._read = None
+
+    def served_digests(self, names) -> dict[str, str]:
+        """The digests of the current version's factors as the server's kernels read them, computed by its workers
+        (16 bytes a factor over HTTP, not the factors)."""
+        if self.current is None:
+            return {}
+        state = self.worker_state(names=list(names), digests=True)
+        if state["id"] != self.current[2]:
+            return {n: f"the server's newest LoRA id {state['id']}, not {self.current[2]}" for n in names}
+        return state["digests"]
+
+    def identity(self, names) -> dict:
+        """The served identity of the server's base under the learner's names
+        (:func:`trl_fp8.sync_checks.identity.engine_identity`, computed by every worker, which must agree)."""
+        results = self._rpc("trl_fp8_identity", {"names": list(names)})
+        if any(r != results[0] for r in results[1:]):
+            raise RuntimeError("the vLLM server's workers disagree on the base they hold")
+        return results[0]
 
     def version(self):
         return None if self.current is None else self.current[1]

@@ -3,9 +3,14 @@ trl_fp8._trl.vllm_worker.AdapterWorker``): what the trainer asks a server's work
 
 ``trl_fp8_lora_state(request)`` (``request``: a JSON string, as ``/collective_rpc`` passes only strings): the newest
 LoRA id the worker holds and every id resident in its cache; with ``keep_latest`` it first drops every other version
-(vLLM's API server only forgets an unloaded name; its workers would keep it in their cache); with ``names`` (PEFT
-factor names) it returns the newest version's factors under those names, as the worker computes with them (the
-registered LoRA's tensors, packed modules split back), for the weight-sync checks to compare bitwise.
+(vLLM's API server only forgets an unloaded name; its workers would keep it in their cache) and moves the newest into
+a slot (what its first request would do); with ``names`` (PEFT factor names) it returns the newest version's factors
+under those names *as the LoRA kernels read them* — the slot buffers, not the registered copy — for the weight-sync
+checks to compare bitwise, or with ``digests`` only their digests (:func:`trl_fp8.digest.tensor_digest`).
+
+``trl_fp8_identity(request)``: the served identity of the worker's base (:mod:`trl_fp8.sync_checks.identity`): the
+digest of every base tensor the learner names, as the worker computes with it, its dtype, quantization, tokenizer
+and trl_fp8's version.
 """
 
 from __future__ import annotations
@@ -14,35 +19,54 @@ import json
 
 
 class AdapterWorker:
-    def trl_fp8_lora_state(self, request: str) -> dict:
-        from .vllm_lora import _locate, peft_to_vllm_name
-        from .vllm_server_lora import encode_tensor
-
-        request = json.loads(request)
+    def _trl_fp8_manager(self):
         manager = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)
         if manager is None:
             raise RuntimeError("this vLLM worker was started without LoRA (--enable-lora)")
+        return manager
+
+    def trl_fp8_lora_state(self, request: str) -> dict:
+        from ..digest import tensor_digest
+        from .vllm_lora import _locate, peft_to_vllm_name, slot_factor
+        from .vllm_server_lora import encode_tensor
+
+        request = json.loads(request)
+        manager = self._trl_fp8_manager()
         ids = sorted(manager.list_adapters())
         latest = ids[-1] if ids else None
         if request.get("keep_latest") and latest is not None:
             for old in ids[:-1]:
                 manager.remove_adapter(old)
             ids = sorted(manager.list_adapters())
-        out = {"id": latest, "resident": ids, "tensors": {}}
+        if latest is not None and latest not in manager.lora_index_to_id:
+            manager.activate_adapter(latest)  # into a slot, as the first request for it would
+        out = {"id": latest, "resident": ids, "slots": [i for i in manager.lora_index_to_id if i is not None],
+               "tensors": {}, "digests": {}}
         names = request.get("names") or []
         if names and latest is not None:
-            model = manager.get_adapter(latest)
             adapter = request.get("adapter", "default")
             for name in names:
                 where = _locate(manager, peft_to_vllm_name(name, adapter))
-                if where is None:
+                tensor = None if where is None else slot_factor(manager, latest, where)
+                if tensor is None:
                     continue
-                module, index, is_a = where
-                weights = model.get_lora(module)
-                if weights is None:
-                    continue
-                tensor = weights.lora_a if is_a else weights.lora_b
-                tensor = tensor[index] if isinstance(tensor, list) else tensor
-                if tensor is not None:
+                if request.get("digests"):
+                    out["digests"][name] = tensor_digest(tensor)
+                else:
                     out["tensors"][name] = encode_tensor(tensor)
         return out
+
+    def trl_fp8_identity(self, request: str) -> dict:
+        from ..sync_checks.identity import engine_identity
+
+        request = json.loads(request)
+        config = self.model_runner.model_config
+        tokenizer = None
+        try:
+            from vllm.tokenizers import cached_tokenizer_from_config
+
+            tokenizer = cached_tokenizer_from_config(config)
+        except Exception:  # noqa: BLE001 - no tokenizer to describe: the check compares the rest
+            tokenizer = None
+        return engine_identity(self.model_runner.model, request.get("names") or [], config.dtype,
+                               config.quantization, tokenizer)

@@ -145,6 +145,23 @@ def freshness(step: int, version, sent: dict[str, torch.Tensor], read, alias_rea
     return CheckResult("freshness", True)
 
 
+def served_after_rollouts(step: int, synced_step: int, sent: dict[str, str], served: dict[str, str]) -> CheckResult:
+    """After a generation, what the sampler computes with (``served``: digests it computed where it lives, by learner
+    name) is still what the sync at ``synced_step`` sent and freshness verified (``sent``): nothing cached per version
+    name, so a reload in place under the same name, an ignored upsert or an overwritten slot is caught at the step
+    whose rollouts it touched, naming the tensor."""
+    for name, digest in sent.items():
+        if name not in served:
+            return CheckResult("freshness", False, f"after the rollouts of step {step}, the sampler serves nothing for "
+                                                   f"'{name}' (the sync at step {synced_step} sent it)")
+        if served[name] != digest:
+            return CheckResult("freshness", False, f"after the rollouts of step {step}, '{name}' is not what the sync at "
+                                                   f"step {synced_step} sent (digest {served[name]} served, {digest} "
+                                                   "sent): the served copy changed after the sync (a reload in place, "
+                                                   "an overwritten slot)")
+    return CheckResult("freshness", True)
+
+
 def rollout_versions(step: int, synced, generated: dict) -> CheckResult:
     """Part of freshness, per rollout: every request that finished since the last call was generated with the
     adapter version the learner synced (``synced``, e.g. its step). ``generated``: version -> finished requests, as

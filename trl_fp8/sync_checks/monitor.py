@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from .. import numerics
+from ..digest import tensor_digest
 from ..samplers import Sampler, SyncLog
 from . import checks as C
 
@@ -108,6 +109,7 @@ class SyncMonitor:
         self.not_applicable: dict[str, str] = {}  # check -> why it had nothing to compare (first reason)
         self.failures: list[C.CheckResult] = []
         self.verified: bool | None = None  # the last sync verified bitwise by freshness (None: not checked)
+        self._sent_digests: tuple[int, dict[str, str]] | None = None  # (step, digests) of the last verified sync
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -243,6 +245,8 @@ class SyncMonitor:
 
     def _after_sync(self, step: int, log: SyncLog) -> None:
         s, first = self.sampler, self.syncs == 0
+        s.begin_round()
+        self._sent_digests = None  # re-verified after the rollouts only what this sync's freshness verified
         self.verified = None  # whether this sync was verified bitwise (None: freshness did not run on it)
         self.syncs += 1
         due = (self.syncs - 1) % self.interval == 0
@@ -268,6 +272,9 @@ class SyncMonitor:
                 self.verified = result.passed
             self.report(result)
             verified = sent if result.passed else None
+            if s.serves_digests and result.passed:  # what the rollouts must be generated with: re-verified after them
+                self._sent_digests = (step, {n: tensor_digest(t if t.dtype == manifest[n][1] else t.to(manifest[n][1]))
+                                             for n, t in sent.items()})
         if self.enabled("quant_parity"):
             self.learner.update()
             self.report(C.quant_parity([n for n in self.learner.shapes if n in manifest], self.learner.reference,
@@ -287,10 +294,17 @@ class SyncMonitor:
         finished rollout was generated with against the one the learner synced (freshness, per rollout), where the
         sampler reports it."""
         generated = self.sampler.rollout_versions()
-        if generated is None or not self.enabled("freshness"):
+        if not self.enabled("freshness"):
+            return
+        sent = self._sent_digests if self.sampler.serves_digests else None
+        if generated is None and sent is None:
             return
         with self._agreed(step):
-            self.report(C.rollout_versions(step, synced, generated))
+            if generated is not None:
+                self.report(C.rollout_versions(step, synced, generated))
+            if sent is not None:
+                self.sampler.begin_round()
+                self.report(C.served_after_rollouts(step, sent[0], sent[1], self.sampler.served_digests(sent[1])))
 
     def logprob_due(self) -> bool:
         """Call once per generation: whether ``logprob_agreement`` runs on it."""
