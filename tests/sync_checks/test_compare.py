@@ -105,3 +105,54 @@ def test_the_plan_counts_one_comparison_group_where_a_sync_is_checked():
     [row] = group_rows(spec("default"))
     assert row.bytes == memory.COMPARE_GROUP_ELEMENTS * memory.GROUP_BYTES_PER_ELEMENT and not row.exact
     assert group_rows(spec("logprob_agreement")) == [] and group_rows(spec("default", "trl")) == []
+
+
+def test_a_storage_released_while_queued_is_never_read_and_is_named():
+    """FSDP and ZeRO-3 release a sharded parameter's storage after its gather (``resize_(0)``): a pair queued for the
+    one deferred call into the compiled comparison must not be read through its old address."""
+    from trl_fp8.sync_checks import checks as C
+    from trl_fp8.sync_checks.compare import PairComparer, StorageReleased, _native_lib
+
+    if _native_lib() is None:
+        pytest.skip("no compiled kernels here: host pairs are compared at once, nothing waits")
+    a = torch.randn(64, 64)
+    comparer = PairComparer()
+    assert comparer.add("w", a, a.clone())
+    assert comparer.add("v", torch.ones(8), torch.ones(8))  # a healthy pair after it
+    a.untyped_storage().resize_(0)  # released as FSDP releases it
+    with pytest.raises(StorageReleased, match="'w': its storage was released"):
+        comparer.finish()
+    sent = {"x": torch.randn(32, 32)}
+    served = sent["x"].clone()
+
+    def read(name):
+        return served
+
+    result = C.freshness(3, None, sent, read, {})
+    assert result.passed
+    original = PairComparer.finish
+
+    def release_then_finish(self):  # the sampler's copy is released between the check's add() and its finish()
+        served.untyped_storage().resize_(0)
+        return original(self)
+
+    PairComparer.finish = release_then_finish
+    try:
+        result = C.freshness(3, None, sent, read, {})
+    finally:
+        PairComparer.finish = original
+    assert not result.passed and "'x': its storage was released" in result.message and "(step 3)" in result.message
+
+
+def test_a_meta_tensor_fails_the_checks_by_name_instead_of_raising():
+    from trl_fp8.sync_checks import checks as C
+
+    sent = {"w": torch.randn(4, 4)}
+    meta = torch.empty(4, 4, device="meta")
+    result = C.freshness(2, None, sent, lambda n: meta, {})
+    assert not result.passed and "'w' is a meta tensor on the sampler's side at step 2" in result.message
+    result = C.freshness(2, None, {"w": meta}, lambda n: sent["w"], {})
+    assert not result.passed and "on the learner's side" in result.message
+    result = C.quant_parity(["w"], lambda n: sent["w"], lambda n: meta)
+    assert not result.passed and "'w' is a meta tensor on the sampler's side" in result.message
+    assert "meta tensor" in C.compare_states("A vs B", {"w": meta}, {"w": meta})

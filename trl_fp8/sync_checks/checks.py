@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compare import PairComparer, bitwise_equal, describe_diff, same_device
+from .compare import PairComparer, StorageReleased, bitwise_equal, describe_diff, meta_name, same_device
 from .tokenstats import (  # noqa: F401 (re-exported: the checks' token statistics)
     HIST_BINS, HIST_DECADES, HIST_LOW, HIST_PER_DECADE, LOGPROB_STAT_OPS, delta_histogram, logprob_stats, over_fraction)
 
@@ -63,6 +63,12 @@ def _widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
     """Whether every value of float dtype ``narrow`` is exactly a value of ``wide`` (bf16, fp16, fp8 into fp32)."""
     return narrow.is_floating_point and wide in (torch.float32, torch.float64) and \
         torch.finfo(narrow).bits < torch.finfo(wide).bits
+
+
+def _meta_text(name: str, side: str, step: int | None = None) -> str:
+    at = "" if step is None else f" at step {step}"
+    return (f"'{name}' is a meta tensor on the {side}'s side{at}: it holds no values (never materialised, or offloaded "
+            "without being gathered back), so what is served cannot be compared")
 
 
 # -- 1. recipe parity ---------------------------------------------------------------------------------------------
@@ -130,11 +136,18 @@ def freshness(step: int, version, sent: dict[str, torch.Tensor], read, alias_rea
     comparer = PairComparer()
     for name, tensor in sent.items():
         served = read(name)
+        side = meta_name((tensor, served))
+        if side is not None:
+            return CheckResult("freshness", False, _meta_text(name, side, step))
         expected = tensor if tensor.dtype == served.dtype and same_device(tensor, served) else \
             tensor.detach().to(device=served.device, dtype=served.dtype)
         if not comparer.add(name, expected, served):
             break
-    if comparer.finish() is not None:
+    try:
+        comparer.finish()
+    except StorageReleased as err:
+        return CheckResult("freshness", False, f"{err} (step {step})")
+    if comparer.mismatch is not None:
         name, expected, served = comparer.mismatch
         return CheckResult("freshness", False, f"'{name}' is not what the sync sent at step {step}: "
                                                f"{describe_diff(expected, served)}")
@@ -202,6 +215,9 @@ def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = 
         if sent is not None and sent.get(name) is ref:
             continue  # the learner's reference is the very tensor sent, and freshness compared it bitwise
         served = read(name)
+        side = meta_name((ref, served))
+        if side is not None:
+            return CheckResult("quant_parity", False, _meta_text(name, side))
         if not same_device(ref, served):
             ref = ref.to(served.device)
         # a narrower served tensor is widened (exact: one cast of the served side instead of rounding the reference)
@@ -213,7 +229,11 @@ def quant_parity(names, reference, read, sent: dict[str, torch.Tensor] | None = 
         compared += 1
         if not comparer.add(name, ref, served):
             break
-    if comparer.finish() is not None:
+    try:
+        comparer.finish()
+    except StorageReleased as err:
+        return CheckResult("quant_parity", False, str(err))
+    if comparer.mismatch is not None:
         name, ref, served = comparer.mismatch
         return CheckResult("quant_parity", False, f"'{name}' differs from the learner's quantizer output: "
                                                   f"{describe_diff(ref, served.to(ref.dtype))}")
@@ -511,6 +531,8 @@ def compare_states(label: str, expected: dict[str, torch.Tensor], actual: dict[s
     for name, tensor in expected.items():
         if name not in actual:
             return f"{label}: '{name}' missing"
+        if tensor.is_meta or actual[name].is_meta:
+            return f"{label}: '{name}' is a meta tensor (no values to compare)"
         if not bitwise_equal(tensor, actual[name]):
             return f"{label}: '{name}' {describe_diff(tensor, actual[name])}"
     return None

@@ -132,6 +132,28 @@ def _native_lib():
     return _native_module().load()
 
 
+class StorageReleased(RuntimeError):
+    """A tensor waiting in a :class:`PairComparer` lost its storage before the comparison (released or moved, as
+    FSDP and ZeRO-3 release a sharded parameter's storage after a gather): its old address is never read."""
+
+    def __init__(self, label):
+        super().__init__(f"'{label}': its storage was released or moved between being queued and being compared (a "
+                         "sharded parameter freed after its gather?): compare it while it is held")
+        self.label = label
+
+
+def _holds(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage still holds its elements (a storage resized to 0 does not)."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def meta_name(pairs) -> str | None:
+    """``"learner"``/``"sampler"`` for the first side of ``(learner, sampler)`` that is a meta tensor (no values),
+    else None."""
+    learner, sampler = pairs
+    return "learner" if learner.is_meta else "sampler" if sampler.is_meta else None
+
+
 class PairComparer:
     """Compares pairs ``(a, b)`` as they come: ``a`` bitwise equal to ``b`` converted to ``a``'s dtype (see
     :func:`_equal_widened`; a shape mismatch is a mismatch). Host pairs of one dtype, or fp32 against bf16, wait and
@@ -152,6 +174,8 @@ class PairComparer:
     def add(self, label, a: torch.Tensor, b: torch.Tensor) -> bool:
         if self.mismatch is not None:
             return False
+        if a.is_meta or b.is_meta:
+            raise ValueError(f"'{label}': a meta tensor holds no values to compare")
         if a.shape != b.shape:
             if self._flush():
                 self.mismatch = (label, a, b)
@@ -202,6 +226,9 @@ class PairComparer:
         todo, self._host, self._host_bytes = self._host, [], 0
         if not todo or self.mismatch is not None:
             return self.mismatch is None
+        for label, a, b, entry in todo:  # the addresses were taken at add(): still those of live storages?
+            if a.data_ptr() != entry[0] or b.data_ptr() != entry[1] or not _holds(a) or not _holds(b):
+                raise StorageReleased(label)
         first = _native_module().first_unequal_checked(self._lib, [entry for *_, entry in todo])
         if first >= 0:
             self.mismatch = todo[first][:3]
