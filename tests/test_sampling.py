@@ -133,6 +133,24 @@ def test_lora_scaling_under_autocast(tmp_path, alpha, rslora, ok):
             sampling.decide(args, facts, CAPABILITIES)
 
 
+def test_what_the_adapter_stream_never_carries_is_refused_by_name(tmp_path):
+    """Trained but never served under adapter serving: trained token embeddings, an embedding LoRA named in a config,
+    LoRA on parameters."""
+    from peft import LoraConfig
+
+    for config, needle in ((LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], trainable_token_indices=[3, 4]),
+                            "trainable_token_indices=[3, 4]"),
+                           (LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "embed_tokens"]),
+                            "LoRA on the embedding 'embed_tokens'")):
+        facts = sampling.lora_facts(config)
+        assert any(needle in u for u in facts.unservable), facts.unservable
+        args = _args(tmp_path, "colocate", fair_cast="stochastic")  # served as base + adapters
+        with pytest.raises(ValueError, match="vLLM cannot serve this LoRA as adapters: .*" + needle.split(" (")[0]
+                           .replace("[", r"\[").replace("]", r"\]")):
+            sampling.decide(args, sampling.ModelFacts(lora=facts), CAPABILITIES)
+    assert not sampling.lora_facts(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])).unservable
+
+
 def test_facts_from_model_instances(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

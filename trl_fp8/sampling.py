@@ -190,6 +190,9 @@ class SamplingDecision:
 
 
 # -- the facts ----------------------------------------------------------------------------------------------------
+EMBEDDING_NAMES = frozenset({"embed_tokens", "wte", "word_embeddings", "embed_in", "tok_embeddings", "embeddings"})
+
+
 def lora_facts(peft) -> LoraFacts | None:
     """From a PEFT model (its LoRA layers) or a ``LoraConfig``; None when ``peft`` is no LoRA."""
     config, targets, adapter = peft, None, "default"
@@ -202,7 +205,7 @@ def lora_facts(peft) -> LoraFacts | None:
     if config is None or not (type(config).__name__ == "LoraConfig" or
                               str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] == "LORA"):
         return None
-    unservable = []
+    unservable, listed_only = [], targets is None  # listed_only: a config's names, no model's layers
     if isinstance(targets, list):  # LoRA on embeddings: vLLM serves LoRA on linear layers only
         unservable += [f"LoRA on the embedding '{name}'" for name in targets]
         targets = _model_targets(peft, adapter, linear=True)
@@ -221,6 +224,16 @@ def lora_facts(peft) -> LoraFacts | None:
         unservable.append("lora_bias=True")
     if getattr(config, "modules_to_save", None):
         unservable.append(f"modules_to_save={config.modules_to_save!r}")
+    if getattr(config, "trainable_token_indices", None):
+        unservable.append(f"trainable_token_indices={config.trainable_token_indices!r} (trained token embeddings the "
+                          "adapter stream does not carry)")
+    if listed_only:  # a config alone: an embedding named among its targets
+        listed = getattr(config, "target_modules", None)
+        if isinstance(listed, (list, tuple, set, frozenset)):
+            unservable += [f"LoRA on the embedding '{t}'" for t in sorted(map(str, listed))
+                           if t.rsplit(".", 1)[-1] in EMBEDDING_NAMES]
+    if getattr(config, "target_parameters", None):
+        unservable.append(f"target_parameters={config.target_parameters!r} (LoRA on parameters, not linear layers)")
     if getattr(config, "bias", "none") not in (None, "none"):
         unservable.append(f"bias={config.bias!r}")
     return LoraFacts(rank=max(ranks), target_modules=targets or None, adapter=adapter, scalings=scalings,
@@ -351,17 +364,24 @@ def _check_adapters(args, facts: ModelFacts, kind: str) -> None:
     if facts.lora.unservable:
         raise ValueError(f"vLLM cannot serve this LoRA as adapters: {', '.join(facts.lora.unservable)}. Use "
                          "lora_serving='merged' (a dense stream), or a plain LoRA.")
+    refusal = scaling_refusal(args, facts.lora, "the engine serves one rounded factor (s · B)")
+    if refusal:
+        raise ValueError(refusal)
+
+
+def scaling_refusal(args, lora: LoraFacts | None, served: str) -> str | None:
+    """Why a LoRA whose scaling is not a power of two cannot be served as rounded factors under autocast (None: it
+    can). The learner computes ``lora_B(x) · s`` with ``lora_B`` cast to the autocast dtype; what is served (``served``)
+    is one rounded factor ``s·B``: the two agree exactly only when ``s`` is a power of two."""
     autocast = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
-    if autocast and not facts.lora.power_of_two_scaling():
-        # The learner computes lora_B(x) * s with lora_B cast to the autocast dtype; the engine computes with one
-        # rounded factor s·B. The two agree exactly only when s is a power of two.
-        scales = ", ".join(f"{s:g}" for s in facts.lora.scalings)
-        raise ValueError(f"LoRA scaling s = lora_alpha / r (/ sqrt(r) with use_rslora) = {scales} is not a power of "
-                         f"two: under {autocast}=True autocast the learner computes with {autocast}(B) · s while the "
-                         "engine serves one rounded factor (s · B), so what is sampled is not what the loss computes "
-                         "with. Set lora_alpha to r times a power of two (e.g. lora_alpha = 2 * r; with use_rslora, "
-                         f"lora_alpha = sqrt(r) times a power of two), or train without autocast ({autocast}=False), "
-                         "or lora_serving='merged'.")
+    if lora is None or not autocast or lora.power_of_two_scaling():
+        return None
+    scales = ", ".join(f"{s:g}" for s in lora.scalings)
+    return (f"LoRA scaling s = lora_alpha / r (/ sqrt(r) with use_rslora) = {scales} is not a power of two: under "
+            f"{autocast}=True autocast the learner computes with {autocast}(B) · s while {served}, so what is sampled "
+            "is not what the loss computes with. Set lora_alpha to r times a power of two (e.g. lora_alpha = 2 * r; "
+            f"with use_rslora, lora_alpha = sqrt(r) times a power of two), or train without autocast ({autocast}=False), "
+            "or lora_serving='merged'.")
 
 
 def _engine(args, facts: ModelFacts, kind: str, mode: str, platform: str) -> EngineBuild | None:

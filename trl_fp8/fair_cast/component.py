@@ -169,6 +169,11 @@ class FairCast(Capability):
         if self.adapters:
             from .peft import adapter_units
 
+            refusal = sampling.scaling_refusal(args, trainer.sampling.facts.lora,
+                                               "Fair Cast serves (and the policy holds between steps) one rounded "
+                                               "factor export(s · B), divided by s")
+            if refusal:
+                raise ValueError(refusal)
             units = adapter_units(model)
         elif is_peft_model(model):
             from .peft import lora_units
