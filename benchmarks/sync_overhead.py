@@ -23,9 +23,17 @@ drift hits both alike); each run trains ``--steps`` GRPO steps and its time per 
 the first. The ratio is the median over pairs of (default / off); it is noisier than the share.
 
     python benchmarks/sync_overhead.py [--pairs 9] [--steps 60] [--checks default] [--vllm] [--model trl-fp8:smollm2 --bf16]
+    python benchmarks/sync_overhead.py --identity [--model trl-fp8:smollm2] [--repeats 5]
 
 Last line: ``sync_check_share_pct: <number>`` -- the time inside the checks as % of a step (goal <= 2 for
 "default").
+
+``--identity`` times the served-identity check instead (once per run, before the first rollout, for the adapter
+kinds): the learner's side — every base tensor rounded to the engine's dtype (bf16) and digested — on the model as a
+LoRA run loads it (fp32), and the engine's side — the same digests of a bf16 copy, what a worker computes — median of
+``--repeats``, with the bytes that travel (the JSON of names and digests). Extrapolated to a 7B model (7.6·10⁹
+parameters, Qwen2.5-7B) by parameter count on this CPU; a GPU digests at memory bandwidth (not measured here). Last
+line: ``identity_check_seconds_<model>: <learner + engine seconds>``.
 """
 
 from __future__ import annotations
@@ -195,7 +203,12 @@ def main() -> None:
     parser.add_argument("--model", default=DEMO, help=f"{DEMO} (default) or a real model, e.g. trl-fp8:smollm2")
     parser.add_argument("--bf16", action="store_true", help="the learner under bf16 autocast (default: fp32)")
     parser.add_argument("--cap", type=int, default=32, help="tokens per completion (fixed) with a real --model")
+    parser.add_argument("--identity", action="store_true", help="time the served-identity check instead")
+    parser.add_argument("--repeats", type=int, default=5, help="with --identity: timings per side (median)")
     args = parser.parse_args()
+    if args.identity:
+        identity_cost(args.model if args.model != DEMO else "trl-fp8:smollm2", args.repeats)
+        return
     if args.pairs < 5:
         parser.error("--pairs must be >= 5 (the figure is a median over pairs)")
     if args.steps < 8:
@@ -238,6 +251,49 @@ def main() -> None:
     print(f"time inside the checks after calibration, per checked run: {', '.join(f'{100 * r:.2f}%' for r in shares)}"
           f"; range {100 * min(shares):.2f}-{100 * max(shares):.2f}% of the steps")
     print(f"sync_check_share_pct: {100 * statistics.median(shares):.2f}")
+
+def identity_cost(model_name: str, repeats: int) -> None:
+    """The served-identity check's cost at start: both sides' digests of the whole base, timed."""
+    import json
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_fp8.digest import tensor_digest
+    from trl_fp8.models import resolve_model
+    from trl_fp8.sync_checks import identity
+
+    if repeats < 5:
+        raise SystemExit("--repeats must be >= 5 (the figure is a median)")
+    torch.set_num_threads(1)
+    path = resolve_model(model_name)
+    learner = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = {n: t.detach().to(torch.bfloat16) for n, t in identity.learner_base(learner)}
+    params = sum(t.numel() for t in engine.values())
+    sides = {"learner": [], "engine": []}
+    digests = None
+    for _ in range(repeats):  # interleaved: drift hits both sides alike
+        start = time.perf_counter()
+        ours = identity.learner_identity(learner, torch.bfloat16, None, None)
+        sides["learner"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        digests = {n: tensor_digest(t) for n, t in engine.items()}
+        sides["engine"].append(time.perf_counter() - start)
+        assert digests == ours["tensors"]
+    learner_s, engine_s = (statistics.median(v) for v in sides.values())
+    travel = len(json.dumps({"names": list(digests)})) + len(json.dumps({"tensors": digests}))
+    scale = 7.6e9 / params
+    print(f"model: {model_name}; {len(digests)} base tensors, {params / 1e6:.1f} M parameters; 1 thread; load average "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"learner side (fp32 -> bf16, digest) median {learner_s:.3f} s over {repeats} "
+          f"({', '.join(f'{x:.3f}' for x in sides['learner'])}); engine side (bf16 digest) median {engine_s:.3f} s "
+          f"({', '.join(f'{x:.3f}' for x in sides['engine'])})")
+    print(f"bytes that travel: {travel} (request names + answer digests); the tensors never move")
+    print(f"extrapolated to 7.6e9 parameters on this CPU (x{scale:.1f}): learner {learner_s * scale:.0f} s, engine "
+          f"{engine_s * scale:.0f} s")
+    print(f"identity_check_seconds_{model_name.split(':')[-1]}: {learner_s + engine_s:.3f}")
+
 
 if __name__ == "__main__":
     main()

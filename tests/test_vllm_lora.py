@@ -353,6 +353,11 @@ def test_served_identity_and_what_the_kernels_read_after_the_rollouts(engine, ti
         theirs = sampler.identity(names)
         result = identity.compare(ours, theirs, "the engine", "FIX")
         assert result.passed and result.metrics["identity_tensors"] == len(names), result.message
+        reader = identity.engine_base_reader(_trl_model(llm), names)
+        reader.COMPUTED_COLUMNS = 24  # several one-hot chunks of the 64 or 128 input columns
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+                     "model.layers.1.mlp.down_proj.weight"):  # what a quantized layer's kernel read gives, here exact
+            assert torch.equal(reader.read_computed(name, force=True), reader.read(name)), name
 
         param = dict(_trl_model(llm).named_parameters())
         target = next(n for n in param if n.endswith("layers.1.mlp.down_proj.base_layer.weight"))
@@ -477,6 +482,66 @@ def test_trl_trainer_syncs_adapters_and_never_merges(tmp_path, demo_dir, base):
     assert all(r["sampling/sampling_logp_difference/mean"] < 0.05 for r in records), records
     trainer.vllm_generation.llm = None
     _trl.shutdown_vllm(llm)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("base,fault", [("16bit", None), ("4bit", None), ("16bit", "slot")])
+def test_colocated_lora_versions_compare_the_base_first_and_the_slots_after_each_generation(tmp_path, demo_dir, base,
+                                                                                            fault):
+    """A LoRA run served as LoRA versions by the trainer's own decision (Fair Cast SR; a 4-bit base), default checks:
+    the served identity compares the engine's base with the learner's before the first rollout (over a 4-bit base
+    the engine holds the learner's dequant(W), loaded once), and a slot overwritten between the sync's checks and
+    the rollouts is caught at that step, naming the factor."""
+    from peft import LoraConfig
+
+    import trl_fp8
+    from trl_fp8.app.tasks.arithmetic import make_arithmetic_dataset
+
+    def digits(completions, **kwargs):
+        return [float(sum(ch.isdigit() for ch in str(c))) for c in completions]
+
+    kwargs = dict(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=2, learning_rate=1e-2,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, seed=7, use_vllm=True, vllm_mode="colocate",
+        vllm_max_model_length=64, sync_checks="default", fair_cast="stochastic")
+    if base == "4bit":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["model_init_kwargs"] = {"dtype": torch.float32, "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)}
+    trainer = trl_fp8.GRPOTrainer(model=demo_dir, reward_funcs=[digits], args=trl_fp8.GRPOConfig(**kwargs),
+                                  train_dataset=make_arithmetic_dataset(16, seed=5),
+                                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    assert trainer.sampling.kind == "lora_versions"
+    monitor = trainer.capability("sync_checks").monitor
+    assert monitor.compared.get("recipe_parity") == 1 and not monitor.failures  # the identity, before any rollout
+    llm = trainer.vllm_generation.llm
+    try:
+        if fault == "slot":
+            engine, sampler = llm.llm_engine, monitor.sampler
+            add_request, name = engine.add_request, "base_model.model.model.layers.1.mlp.up_proj.lora_A.default.weight"
+
+            def overwrite_then_add(*a, **k):  # between the sync's checks and the rollouts
+                if not getattr(overwrite_then_add, "done", False):
+                    sampler.read(name).mul_(1.5)
+                    overwrite_then_add.done = True
+                return add_request(*a, **k)
+
+            engine.add_request = overwrite_then_add
+            with pytest.raises(trl_fp8.WeightSyncError) as info:
+                trainer.train()
+            assert info.value.check == "freshness" and "after the rollouts of step 0" in str(info.value)
+            assert f"'{name}' is not what the sync at step 0 sent" in str(info.value)
+        else:
+            trainer.train()
+            assert not monitor.failures and monitor.compared["recipe_parity"] == 2  # identity + the first sync's
+            assert monitor.compared["freshness"] >= 4  # the syncs' read-backs and the digests after each generation
+    finally:
+        trainer.vllm_generation.llm = None
+        from trl_fp8 import _trl
+
+        _trl.shutdown_vllm(llm)
 
 
 @pytest.mark.vllm

@@ -70,6 +70,16 @@ def server(tmp_path_factory):
         proc.kill()
 
 
+def _staged_versions(server_pid: int) -> list[str]:
+    """The adapter versions the server's processes have staged in their own /dev/shm folders now."""
+    import glob
+
+    out = []
+    for folder in glob.glob("/dev/shm/trl_fp8_served_*"):
+        out += [n for n in os.listdir(folder) if n != "owner"]
+    return sorted(out)
+
+
 def _serves(base: str) -> bool:
     model = _get(f"{base}/v1/models")["data"][0]["id"]
     out = _post(f"{base}/v1/completions", {"model": model, "prompt": "1 + 1 =", "max_tokens": 4, "temperature": 0})
@@ -89,6 +99,7 @@ def test_grpo_pushes_adapter_versions_to_the_server_and_every_check_compares(ser
            "--fair_cast", "stochastic", "--sync_checks", "all"]
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500)
+    staged = _staged_versions(proc.pid)
     text = run.stdout + run.stderr
     assert run.returncode == 0, text[-5000:]
     assert "Traceback" not in run.stderr, run.stderr[-5000:]
@@ -103,8 +114,9 @@ def test_grpo_pushes_adapter_versions_to_the_server_and_every_check_compares(ser
     assert not any(v == 0.0 for r in steps for k, v in r.items() if k.startswith("sync/") and not
                    k.startswith(("sync/logp", "sync/is_ratio"))), steps
     assert proc.poll() is None and _serves(base)  # the run ended cleanly and the server keeps serving
-    if shm:  # the adapter versions' RAM-backed folders are gone with the run
+    if shm:  # the trainer writes nothing there (versions travel as bytes); the server keeps no version of the run
         assert not [n for n in set(os.listdir("/dev/shm")) - shm if n.startswith("trl_fp8_adapters_")]
+        assert staged == [], staged
     # the server's access log: one adapter version loaded per step, and the one before it unloaded (vLLM's own INFO
     # lines name them, but a CI run showed only the access log in the server's output)
     deadline = time.time() + 30  # the server writes its log from its own processes: give a late line time to land
@@ -213,7 +225,7 @@ def test_the_serving_version_reloaded_in_place_is_caught_at_the_step_whose_rollo
     def reload_in_place_then_generate(*a, **k):
         if not reloaded:
             name = lora.current[0]
-            folder = os.path.join(lora.root, name)
+            folder = lora.paths[name]  # staged by the server, on its machine (here the same one)
             tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
             other = tmp_path / f"{name}-other"
             other.mkdir()
@@ -236,3 +248,165 @@ def test_the_serving_version_reloaded_in_place_is_caught_at_the_step_whose_rollo
     assert ".lora_A." in message and "is not what the sync at step 0 sent" in message
     lora.close()
     assert proc.poll() is None and _serves(base)
+
+
+def _start_server(cmd: list[str], log: Path, prefix: list[str] = ()):
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*prefix, *cmd], env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=out,
+                                stderr=subprocess.STDOUT)
+    return proc
+
+
+def _wait(proc, base: str, log: Path):
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            _get(f"{base}/health")
+            return
+        except OSError:
+            time.sleep(2)
+    proc.kill()
+    pytest.fail(f"the server did not come up in 600 s:\n{log.read_text()[-4000:]}")
+
+
+def _grpo(port: int, out: Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "trl_fp8.app.cli", "grpo", "--model_name_or_path", "trl-fp8:smollm2",
+            "--dataset_name", "trl-fp8:chat_math", "--reward_funcs", "correctness_reward", "boxed_format_reward",
+            "--output_dir", str(out), "--metrics_jsonl", str(out / "metrics.jsonl"), "--max_steps", str(steps),
+            "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16",
+            "--learning_rate", "1e-4", "--logging_steps", "1", "--report_to", "none", "--use_cpu", "true", *LORA,
+            "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_port", str(port), "--fair_cast",
+            "stochastic", *extra]
+
+
+@pytest.mark.vllm
+def test_a_server_that_cannot_see_the_trainers_files_is_sent_each_version_as_bytes(tmp_path):
+    """The server in its own mount namespace with a private /dev/shm (a fresh tmpfs: the trainer's files are not
+    there, as on another machine or in a container): every version travels as bytes over HTTP, the server stages it
+    in its own /dev/shm, and every check compares and passes."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --mount is not permitted here: {probe.stderr.decode()[-200:]}")
+    port, log = _free_port(), tmp_path / "server.log"
+    marker = f"trainer-only-{os.getpid()}"
+    open(f"/dev/shm/{marker}", "w").close()  # visible to the trainer, not to the server
+    serve = [sys.executable, "-m", "trl_fp8.app.cli", "vllm-serve", "--model", "trl-fp8:smollm2", "--lora_r", "16",
+             "--port", str(port), "--max_model_len", "512", "--enforce_eager"]
+    script = (f"mount -t tmpfs -o size=256m,mode=1777 tmpfs /dev/shm && test ! -e /dev/shm/{marker} && "
+              f"exec {' '.join(serve)}")
+    proc = _start_server(["bash", "-c", script], log, prefix=["unshare", "--mount", "--propagation", "private"])
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait(proc, base, log)
+        out = tmp_path / "run"
+        run = subprocess.run(_grpo(port, out, 2, "--save_strategy", "no", "--sync_checks", "all"), cwd=tmp_path,
+                             env=_env(), capture_output=True, text=True, timeout=1500)
+        text = run.stdout + run.stderr
+        assert run.returncode == 0, text[-5000:]
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        assert len(steps) == 2
+        compared = {k.removeprefix("sync/") for r in steps for k, v in r.items() if k.startswith("sync/") and v == 1.0}
+        assert {"recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement",
+                "differential_oracle"} <= compared, compared
+        assert not any(v == 0.0 for r in steps for k, v in r.items() if k.startswith("sync/") and not
+                       k.startswith(("sync/logp", "sync/is_ratio"))), steps
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(("trl_fp8_adapters_", "trl_fp8_served_"))]
+        assert _serves(base)
+    finally:
+        os.remove(f"/dev/shm/{marker}")
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.vllm
+def test_a_rerun_after_a_killed_run_resumes_on_the_same_server_and_leaves_only_its_own_version(server, tmp_path):
+    """A run killed after its first checkpoint leaves its version loaded on the server; the re-run of the same output
+    folder (resume_from_checkpoint auto) unloads it, trains to the end, and at the end the server holds no version of
+    the run — while another run's version on the same server is left alone."""
+    import signal
+
+    base, port, proc, _ = server
+    other = f"trl_fp8-{'0' * 8}-v1"  # another run's version (another scope), loaded on the server meanwhile
+    out = tmp_path / "run"
+    first = subprocess.Popen(_grpo(port, out, 6, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
+                                   "default"), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 900
+    while time.time() < deadline and not (out / "checkpoint-2").exists() and first.poll() is None:
+        time.sleep(1)
+    first.send_signal(signal.SIGKILL)  # no clean-up at all
+    first.wait(timeout=60)
+    assert (out / "checkpoint-2").exists(), first.stdout.read()[-3000:]
+    left = [m["id"] for m in _get(f"{base}/v1/models")["data"] if m["id"].startswith("trl_fp8-")]
+    assert left, "the killed run left its version loaded"
+    other_folder = tmp_path / "other"
+    other_folder.mkdir()
+    adapter = Path(os.path.dirname(_staged_path(left[0])))
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        (other_folder / name).write_bytes((adapter / left[0] / name).read_bytes())
+    body = json.dumps({"lora_name": other, "lora_path": str(other_folder)}).encode()
+    request = urllib.request.Request(f"{base}/v1/load_lora_adapter", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.status == 200
+    second = subprocess.run(_grpo(port, out, 4, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
+                                  "default", "--resume_from_checkpoint", "auto"), cwd=tmp_path, env=_env(),
+                            capture_output=True, text=True, timeout=1500)
+    text = second.stdout + second.stderr
+    assert second.returncode == 0, text[-5000:]
+    assert "Traceback" not in second.stderr, second.stderr[-3000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert steps and max(r.get("step", 0) for r in steps) == 4
+    names = [m["id"] for m in _get(f"{base}/v1/models")["data"] if m["id"].startswith("trl_fp8-")]
+    assert names == [other], names  # the run's own versions are gone, the other run's stays
+    assert _serves(base)
+    urllib.request.urlopen(urllib.request.Request(f"{base}/v1/unload_lora_adapter", data=json.dumps(
+        {"lora_name": other}).encode(), headers={"Content-Type": "application/json"}), timeout=60)
+
+
+def _staged_path(name: str) -> str:
+    import glob
+
+    found = glob.glob(f"/dev/shm/trl_fp8_served_*/{name}")
+    assert found, name
+    return os.path.join(found[0], "x")
+
+
+@pytest.mark.vllm
+def test_a_plain_vllm_server_is_refused_in_one_line_before_the_first_push(tmp_path):
+    """`vllm serve` with runtime LoRA on but without trl_fp8's worker extension: one line saying what it lacks and
+    the command to start, before anything is pushed (it was a RetryError traceback after 29 s)."""
+    port, log = _free_port(), tmp_path / "plain.log"
+    from trl_fp8.models import SMOLLM2, resolve_model
+
+    env = {**_env(), "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", resolve_model(SMOLLM2), "--port", str(port),
+           "--enable-lora", "--max-lora-rank", "16", "--max-model-len", "512", "--enforce-eager"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        _wait(proc, f"http://127.0.0.1:{port}", log)
+        out = tmp_path / "run"
+        start = time.time()
+        run = subprocess.run(_grpo(port, out, 2, "--save_strategy", "no"), cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=900)
+        text = run.stdout + run.stderr
+        assert run.returncode != 0 and "Traceback" not in run.stderr, text[-4000:]
+        line = next(line for line in text.splitlines() if "is not a `trl-fp8 vllm-serve` server" in line)
+        assert "Start it with `trl-fp8 vllm-serve --model" in line and f":{port}" in line, line
+        assert time.time() - start < 300
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

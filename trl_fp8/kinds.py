@@ -210,8 +210,11 @@ class LoraServerKind(_AdapterKind):
         if offer.stream is None:
             offer.stream = rounded_adapter_stream(model, lambda: offer.dtype)
         decision = trainer.sampling
+        from ._trl.vllm_server_lora import run_id
+
         lora = _trl.VLLMServerLoraStream.install(trainer.vllm_generation, offer.stream, decision.engine.lora,
-                                                version_fn=lambda: int(trainer.state.global_step))
+                                                version_fn=lambda: int(trainer.state.global_step),
+                                                run=run_id(trainer.args.output_dir))
         if decision.facts.four_bit and lora.quantization != "bitsandbytes":
             raise ValueError(f"the policy's base is bitsandbytes 4-bit, but the vLLM server loaded it with "
                              f"quantization={lora.quantization!r}: sampler and learner would compute from different "

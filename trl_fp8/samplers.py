@@ -325,6 +325,49 @@ class VLLMColocateSampler(Sampler):
             p = self._params[pname].data
         return p if shard is None else p[offset: offset + rows]
 
+    COMPUTED_COLUMNS = 1024  # one-hot columns per forward when a quantized weight is read through its kernel
+
+    def quantized(self, name: str):
+        """The linear layer behind ``name`` when it computes through a quantization method (bitsandbytes, AWQ, FP8:
+        its parameters hold packed codes, not the weight), else None."""
+        where = self._where.get(name)
+        if where is None or not where[0].endswith(".weight"):
+            return None
+        module = self.model.get_submodule(where[0].rpartition(".")[0])
+        method = getattr(module, "quant_method", None)
+        if method is None or type(method).__name__.startswith("Unquantized"):
+            return None
+        return module
+
+    @torch.no_grad()
+    def read_computed(self, name: str, force: bool = False) -> torch.Tensor:
+        """The weight the engine's kernel computes with under ``name``: :meth:`read`, except for a quantized layer
+        (or with ``force``), read through the layer's own forward on one-hot inputs, ``COMPUTED_COLUMNS`` columns at
+        a time (a dequantized weight, exact: one product by 1 per output) — what the served-identity check digests."""
+        module = self.quantized(name)
+        if module is None and not force:
+            return self.read(name)
+        if module is None:
+            module = self.model.get_submodule(self._where[name][0].rpartition(".")[0])
+        base = getattr(module, "base_layer", module)
+        pname, shard, offset, rows = self._where[name]
+        k, dtype = base.input_size_per_partition, self.llm_dtype(base)
+        device = next(base.parameters()).device
+        apply = (lambda x: base.quant_method.apply(base, x))  # noqa: E731
+        parts = [effective_columns(apply, k, torch.arange(i, min(k, i + self.COMPUTED_COLUMNS)), dtype, device)
+                 for i in range(0, k, self.COMPUTED_COLUMNS)]
+        weight = torch.cat(parts, dim=1)
+        return weight if shard is None else weight[offset: offset + rows]
+
+    def llm_dtype(self, module) -> torch.dtype:
+        """The dtype a layer computes in: its parameters' floating dtype, else the engine's."""
+        for p in module.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        if self.llm is not None:
+            return self.llm.llm_engine.model_config.dtype
+        return torch.get_default_dtype()
+
     @torch.no_grad()
     def load(self, named):
         for name, tensor in named:  # TRL 1.16's colocate path, one tensor at a time

@@ -11,33 +11,57 @@ added by ``--worker-extension-cls``. There is no public in-memory load (vllm RFC
 
 So each sync (:meth:`VLLMServerLoraStream.push`):
 
-1. writes the served factors — ``A`` and ``s·B`` in the engine's dtype, declared with ``lora_alpha = r`` so vLLM
-   scales by 1 and rounds nothing again — as a PEFT adapter folder under a RAM-backed directory (``/dev/shm`` where
-   there is one), under a versioned name ``trl_fp8-v<n>`` (a new LoRA id every version: no prefix-cache block
-   computed with an older version can be reused);
-2. loads it with ``/v1/load_lora_adapter`` and makes it the ``model`` of every generate request the client sends;
-3. has every worker drop every other version from its cache (:class:`trl_fp8._trl.vllm_worker.AdapterWorker`), so
-   what the server holds never grows; unloads the previous name from the API server and deletes its folder.
+1. serialises the served factors — ``A`` and ``s·B`` in the engine's dtype, declared with ``lora_alpha = r`` so vLLM
+   scales by 1 and rounds nothing again — as a PEFT adapter (safetensors bytes and its config) under a run-scoped
+   versioned name ``trl_fp8-<run>-v<n>`` (a new LoRA id every version: no prefix-cache block computed with an older
+   version can be reused);
+2. sends the bytes to the server's workers in chunks (:data:`CHUNK_BYTES`) through the worker extension, which stage
+   them in the server's own RAM-backed folder and check them against their sha256
+   (:mod:`trl_fp8._trl.adapter_staging`): nothing assumes that the trainer and the server share a filesystem;
+3. loads the staged folder with ``/v1/load_lora_adapter`` and makes it the ``model`` of every generate request;
+4. has every worker drop every other version from its cache (:class:`trl_fp8._trl.vllm_worker.AdapterWorker`), so
+   what the server holds never grows; unloads the previous name from the API server and has its folder removed.
 
-The checks read a version back through the same worker extension (the factors the workers hold, by PEFT name), and
-count the ``model`` every generate response names: a rollout generated with another version, or with the base, is
-caught at the step it happens.
+``<run>`` is derived from the host and the run's output folder: at start the stream unloads what an earlier run of
+the same output folder left on the server (a re-run after an error, a resume) and leaves other runs' versions alone.
+Every call has a timeout (scaled to the bytes it carries) and every error is one line naming the server and the call.
+
+The checks read a version back through the same worker extension (the factors the workers' LoRA kernels read, by
+PEFT name), and count the ``model`` every generate response names: a rollout generated with another version, or with
+the base, is caught at the step it happens.
 """
 
 from __future__ import annotations
 
-import atexit
 import base64
+import hashlib
 import json
 import os
-import shutil
-import tempfile
+import socket
 
 import torch
 
 from ..sampling import WORKER_EXTENSION
 from .adapter_versions import AdapterVersionStream
-NAME_PREFIX = "trl_fp8-v"
+
+NAME_PREFIX = "trl_fp8-"  # + <run>-v<n>
+CHUNK_BYTES = 8 * 2 ** 20  # bytes of a version per /collective_rpc call (base64 in JSON: 4/3 of that on the wire)
+CALL_TIMEOUT_S = 60.0  # the least any server call is given ...
+BYTES_PER_S = 8 * 2 ** 20  # ... plus its bytes at this rate (a slow link, a busy server)
+
+
+class ServerError(RuntimeError):
+    """A vLLM server call that failed: one line naming the server and the call (``trl-fp8 grpo`` prints it as is)."""
+
+
+def run_id(output_dir: str | None) -> str:
+    """The run's scope on a server: the host and the output folder (a re-run or a resume of the same run keeps it)."""
+    where = os.path.abspath(output_dir) if output_dir else f"pid{os.getpid()}"
+    return hashlib.sha1(f"{socket.gethostname()}:{where}".encode()).hexdigest()[:8]
+
+
+def timeout_for(nbytes: int) -> float:
+    return CALL_TIMEOUT_S + nbytes / BYTES_PER_S
 
 
 def encode_tensor(tensor: torch.Tensor) -> dict:
@@ -55,12 +79,6 @@ def decode_tensor(blob: dict) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(blob["shape"]).clone()
 
 
-def ram_root() -> str:
-    """Where adapter versions are written: a RAM-backed folder (``/dev/shm``) where the machine has one."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="trl_fp8_adapters_", dir=base)
-
-
 class VLLMServerLoraStream(AdapterVersionStream):
     """The adapter stream a ``trl-fp8 vllm-serve`` server is sent, one LoRA version per sync (see the module
     docstring). ``stream()``: ``(PEFT name, factor in the engine's dtype)`` with the scaling folded into B;
@@ -68,13 +86,20 @@ class VLLMServerLoraStream(AdapterVersionStream):
     ``sync_weights`` and ``_iter_named_params``, and on its client instance ``generate`` (the current version is
     asked for and the version each response names is counted)."""
 
-    def __init__(self, generation, stream, spec, version_fn=None, root: str | None = None):
+    def __init__(self, generation, stream, spec, version_fn=None, run: str | None = None, http=None):
+        """``http``: the session the stream's own calls go through (default: a ``requests.Session`` without
+        retries, so a call that fails is said at once, in one line)."""
+        import requests
+
         super().__init__(generation, stream, spec, version_fn)
         self.client = generation.vllm_client
-        self.root = root or ram_root()
-        atexit.register(shutil.rmtree, self.root, True)  # RAM-backed: never left behind, however the run ends
+        self.url = self.client.base_url
+        self.http = http if http is not None else requests.Session()
+        self.prefix = f"{NAME_PREFIX}{run or run_id(None)}-v"
         self.base_model = self.client.model
         self.current = None  # (name, version label, lora id)
+        self.paths: dict[str, str] = {}  # served name -> its folder on the server's machine
+        self.closed = False
         self._labels: dict[str, object] = {}  # served name -> version label
         self._read: tuple | None = None  # (name, {PEFT name: tensor}) of the last read-back
         info = self.client.get_server_info()
@@ -83,29 +108,70 @@ class VLLMServerLoraStream(AdapterVersionStream):
         self.quantization = info["model_config"].get("quantization")
 
     @classmethod
-    def install(cls, generation, stream, spec, version_fn=None) -> VLLMServerLoraStream:
+    def install(cls, generation, stream, spec, version_fn=None, run: str | None = None,
+                http=None) -> VLLMServerLoraStream:
         if getattr(generation, "mode", None) != "server" or getattr(generation, "vllm_client", None) is None:
             raise RuntimeError("VLLMServerLoraStream.install needs TRL's server mode on the main process.")
-        lora = cls(generation, stream, spec, version_fn)
+        lora = cls(generation, stream, spec, version_fn, run, http)
+        start = (f"`trl-fp8 vllm-serve --model {lora.base_model} --lora_r {spec.rank}` (the adapters' rank; "
+                 "--load_in_4bit for a QLoRA base)")
         if not lora.lora_config:
-            raise ValueError(f"the vLLM server at {lora.client.base_url} was started without LoRA: start it with "
-                             "`trl-fp8 vllm-serve --model ... --lora_r R --lora_target_modules ...` (or `vllm serve "
-                             f"--enable-lora --worker-extension-cls {WORKER_EXTENSION}`).")
+            raise ValueError(f"the vLLM server at {lora.url} was started without LoRA: start it with {start}.")
         if int(lora.lora_config.get("max_lora_rank", 0)) < spec.rank:
             raise ValueError(f"the vLLM server's max_lora_rank is {lora.lora_config.get('max_lora_rank')}, below the "
                              f"run's LoRA rank {spec.rank}: restart it with --lora_r {spec.rank}.")
+        try:  # before anything is pushed: a server without trl_fp8's worker extension is refused in one line
+            lora._rpc("trl_fp8_lora_state", {})
+        except ServerError as err:
+            raise ValueError(f"the vLLM server at {lora.url} is not a `trl-fp8 vllm-serve` server "
+                             f"({str(err).removeprefix(f'the vLLM server at {lora.url}').lstrip(': ')}). Start it with "
+                             f"{start}.") from None
+        lora.forget_earlier_runs()
         generation._iter_named_params = lora
         generation.sync_weights = lora.sync
         lora._hook_client()
         return lora
 
+    # -- the server's calls: one timeout each, one line per failure ------------------------------------------------
+    def _call(self, path: str, body: dict, nbytes: int = 0, ok=(200,)):
+        import requests
+
+        timeout = timeout_for(nbytes)
+        try:
+            response = self.http.post(f"{self.url}{path}", json=body, timeout=timeout)
+        except requests.Timeout:
+            raise ServerError(f"the vLLM server at {self.url} did not answer {path} within {timeout:.0f} s") from None
+        except requests.ConnectionError as err:
+            raise ServerError(f"the vLLM server at {self.url} cannot be reached for {path} "
+                              f"({type(err).__name__}): is it still running?") from None
+        if response.status_code not in ok:
+            raise ServerError(f"the vLLM server at {self.url} answered {path} with {response.status_code}: "
+                              f"{' '.join(response.text.split())[:300]}")
+        return response
+
+    def forget_earlier_runs(self) -> list[str]:
+        """Unload the versions an earlier run of this run's scope left on the server (a re-run after an error, a
+        resume); other runs' versions stay."""
+        import requests
+
+        try:
+            listed = self.http.get(f"{self.url}/v1/models", timeout=CALL_TIMEOUT_S).json().get("data", [])
+        except (requests.RequestException, ValueError) as err:
+            raise ServerError(f"the vLLM server at {self.url} did not list its models: {err}") from None
+        ours = [m["id"] for m in listed if str(m.get("id", "")).startswith(self.prefix)]
+        for name in ours:
+            self._call("/v1/unload_lora_adapter", {"lora_name": name}, ok=(200, 404))
+        return ours
+
     # -- the push ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def push(self, named, version=None):
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         from .vllm_lora import check_complete, peft_to_vllm_name
 
+        if self.closed:
+            raise RuntimeError("LoRA push: this stream was closed (the run ended); a new run makes a new stream.")
         tensors, sent = {}, {}
         for name, tensor in named:
             if name in sent:
@@ -117,26 +183,19 @@ class VLLMServerLoraStream(AdapterVersionStream):
             tensors[peft_to_vllm_name(name, self.spec.adapter).removeprefix("base_model.model.")] = sent[name]
         check_complete(tensors)  # refused before anything changes on the server: the previous version keeps serving
         rank = max(t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight"))
-        targets = sorted({k.rsplit(".", 3)[0].rsplit(".", 1)[-1] for k in tensors})
+        targets = sorted({k.rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in tensors})  # '...q_proj.lora_A.weight'
         self.push_count += 1
-        name = f"{NAME_PREFIX}{self.push_count}"
-        folder = os.path.join(self.root, name)
-        staging = folder + ".tmp"
-        os.makedirs(staging, exist_ok=True)
-        save_file({f"base_model.model.{k}": v.contiguous() for k, v in tensors.items()},
-                  os.path.join(staging, "adapter_model.safetensors"))
+        name = f"{self.prefix}{self.push_count}"
+        blob = save({f"base_model.model.{k}": v.contiguous() for k, v in tensors.items()})
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "use_rslora": False, "target_modules": targets,
                   "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.base_model}
-        with open(os.path.join(staging, "adapter_config.json"), "w") as f:
-            json.dump(config, f)
-        os.replace(staging, folder)
-        response = self.client.session.post(f"{self.client.base_url}/v1/load_lora_adapter",
-                                            json={"lora_name": name, "lora_path": folder})
-        if response.status_code != 200:  # the previous version keeps serving
-            shutil.rmtree(folder, ignore_errors=True)
-            raise RuntimeError(f"the vLLM server refused LoRA version {name!r}: {response.status_code} "
-                               f"{response.text[:500]} (is it a `trl-fp8 vllm-serve` server, with "
-                               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1?)")
+        folder = self._stage(name, blob, config)
+        try:
+            self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, len(blob))
+        except ServerError as err:  # the previous version keeps serving
+            self._drop(name)
+            raise ServerError(f"LoRA version {name!r} was not loaded: {err}") from None
+        self.paths[name] = folder
         state = self.worker_state(keep_latest=True)
         previous, self.current = self.current, (name, version, state["id"])
         self.client.model = name  # every generate request asks for this version from now on
@@ -151,19 +210,52 @@ class VLLMServerLoraStream(AdapterVersionStream):
                                f"{state['id']}; they must serve the new version only.")
         return self.current
 
-    def _unload(self, name: str) -> None:
-        response = self.client.session.post(f"{self.client.base_url}/v1/unload_lora_adapter",
-                                            json={"lora_name": name})
-        if response.status_code not in (200, 404):
-            raise RuntimeError(f"unloading LoRA version {name!r}: {response.status_code} {response.text}")
-        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+    def _stage(self, name: str, blob: bytes, config: dict) -> str:
+        """Send ``blob`` to the server's workers in chunks; they stage it in their own folder and check its digest.
+        Returns the folder on the server's machine (every worker must answer the same)."""
+        size, digest = len(blob), hashlib.sha256(blob).hexdigest()
+        for offset in range(0, max(size, 1), CHUNK_BYTES):
+            chunk = blob[offset:offset + CHUNK_BYTES]
+            answers = self._rpc("trl_fp8_stage_adapter", {"op": "chunk", "name": name, "offset": offset, "size": size,
+                                                          "data": base64.b64encode(chunk).decode("ascii")}, len(chunk))
+            note = next((a.get("note") for a in answers if a.get("note")), "")
+            if note:
+                import logging
 
-    def _rpc(self, method: str, request: dict) -> list:
-        results = self.client._post(f"{self.client.base_url}/collective_rpc",
-                                    json={"method": method, "args": [json.dumps(request)]})["results"]
-        if not results or any(isinstance(r, str) for r in results):
-            raise RuntimeError(f"the vLLM server's workers did not answer {method} ({results!r:.300}): start the server "
-                               f"with `trl-fp8 vllm-serve` (--worker-extension-cls {WORKER_EXTENSION}).")
+                logging.getLogger("trl_fp8").warning("trl_fp8: LoRA version %s: %s", name, note)
+        answers = self._rpc("trl_fp8_stage_adapter", {"op": "commit", "name": name, "size": size, "sha256": digest,
+                                                      "config": config}, size)
+        paths = {a["path"] for a in answers}
+        if len(paths) != 1:
+            raise RuntimeError(f"the vLLM server's workers staged {name!r} under different folders {sorted(paths)}")
+        return paths.pop()
+
+    def _drop(self, name: str) -> None:
+        try:
+            self._rpc("trl_fp8_stage_adapter", {"op": "drop", "name": name})
+        except ServerError:
+            pass  # a server that no longer answers keeps nothing of this run after it exits (its folder is its own)
+        self.paths.pop(name, None)
+
+    def _unload(self, name: str) -> None:
+        self._call("/v1/unload_lora_adapter", {"lora_name": name}, ok=(200, 404))
+        self._drop(name)
+
+    def _rpc(self, method: str, request: dict, nbytes: int = 0) -> list:
+        response = self._call("/collective_rpc", {"method": method, "args": [json.dumps(request)]}, nbytes,
+                              ok=(200, 400, 404, 500))
+        if response.status_code == 404:
+            raise ServerError(f"the vLLM server at {self.url} has no /collective_rpc route (start it with "
+                              "VLLM_SERVER_DEV_MODE=1)")
+        try:
+            results = response.json().get("results")
+        except ValueError:
+            results = None
+        if response.status_code != 200 or not results or any(isinstance(r, str) for r in results):
+            said = results if results else " ".join(response.text.split())[:300]
+            raise ServerError(f"the vLLM server at {self.url}: its workers did not answer {method} "
+                              f"({response.status_code}: {said!s:.300}); a `trl-fp8 vllm-serve` server's do "
+                              f"(--worker-extension-cls {WORKER_EXTENSION})")
         return results
 
     def worker_state(self, keep_latest: bool = False, names=None, digests: bool = False) -> dict:
@@ -249,10 +341,12 @@ class VLLMServerLoraStream(AdapterVersionStream):
         self._hooks = (observed_post, generate_observed)
 
     def close(self) -> None:
-        """Forget the current version on the server and remove the RAM folder (the server keeps serving its base)."""
+        """Forget the current version on the server and have its folder removed (the server keeps serving its base);
+        the stream then refuses pushes."""
+        self.closed = True
         if self.current is not None:
             try:
                 self._unload(self.current[0])
-            except Exception:  # noqa: BLE001 - the server may be gone at exit; the folder still goes
+            except Exception:  # noqa: BLE001 - the server may be gone at exit; its folders are its own
                 pass
-        shutil.rmtree(self.root, ignore_errors=True)
+            self.current = None

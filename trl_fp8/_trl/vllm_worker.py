@@ -8,6 +8,10 @@ a slot (what its first request would do); with ``names`` (PEFT factor names) it 
 under those names *as the LoRA kernels read them* — the slot buffers, not the registered copy — for the weight-sync
 checks to compare bitwise, or with ``digests`` only their digests (:func:`trl_fp8.digest.tensor_digest`).
 
+``trl_fp8_stage_adapter(request)``: an adapter version sent as bytes (:mod:`trl_fp8._trl.adapter_staging`): ``op``
+``chunk`` (``name``, ``offset``, base64 ``data``, total ``size``), ``commit`` (``size``, ``sha256``, the adapter's
+``config``: answers the folder's path on this machine, for ``/v1/load_lora_adapter``) or ``drop``.
+
 ``trl_fp8_identity(request)``: the served identity of the worker's base (:mod:`trl_fp8.sync_checks.identity`): the
 digest of every base tensor the learner names, as the worker computes with it, its dtype, quantization, tokenizer
 and trl_fp8's version.
@@ -55,6 +59,26 @@ class AdapterWorker:
                 else:
                     out["tensors"][name] = encode_tensor(tensor)
         return out
+
+    def trl_fp8_stage_adapter(self, request: str) -> dict:
+        import base64
+
+        from .adapter_staging import Staging
+
+        request = json.loads(request)
+        staging = getattr(self, "_trl_fp8_staging", None)
+        if staging is None:
+            staging = self._trl_fp8_staging = Staging()
+        op, name = request.get("op"), request.get("name", "")
+        if op == "chunk":
+            return staging.chunk(name, int(request["offset"]), base64.b64decode(request["data"]),
+                                 int(request["size"]))
+        if op == "commit":
+            return staging.commit(name, int(request["size"]), str(request["sha256"]), dict(request["config"]))
+        if op == "drop":
+            staging.drop(name)
+            return {}
+        raise ValueError(f"trl_fp8_stage_adapter: unknown op {op!r} (chunk, commit, drop)")
 
     def trl_fp8_identity(self, request: str) -> dict:
         from ..sync_checks.identity import engine_identity

@@ -73,13 +73,14 @@ def engine_base_reader(model, names):
 
 def engine_identity(model, names, dtype, quantization, tokenizer) -> dict:
     """What a vLLM engine computes with, in the learner's names (``names``): run inside the engine's process (the
-    colocated engine's, or a server worker's through its extension). A name the engine holds nothing under maps to
-    None."""
+    colocated engine's, or a server worker's through its extension). A quantized layer (bitsandbytes, AWQ, FP8) is
+    read through its own kernel on one-hot inputs — the dequantized weight it computes with, in its compute dtype, not
+    its packed codes. A name the engine holds nothing under maps to None."""
     reader = engine_base_reader(model, names)
     tensors = {}
     for name in names:
         try:
-            tensor = reader.read(name)
+            tensor = reader.read_computed(name)
         except KeyError:
             tensors[name] = None
             continue

@@ -215,22 +215,33 @@ def main(script_args, training_args, model_args, dataset_args) -> int:
     except ValueError as err:
         print(f"trl-fp8 grpo: error: {err}", file=sys.stderr)
         return 2
-    trainer = GRPOTrainer(
-        model=model_name,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
-        quantization_config=quantization_config,
-        peft_config=peft_config,
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    final = finish(trainer, training_args, script_args)
-    # A colocated vLLM engine goes first, while the process group it was built on exists; otherwise its exit
-    # finalizer finds the group destroyed by `trainer.end()` and prints "Invalid process group specified".
-    shutdown_trainer_vllm(trainer)
-    if hasattr(trainer, "end"):
-        trainer.end()
+    from trl_fp8._trl.vllm_server_lora import ServerError
+
+    try:  # a refusal at set-up (e.g. a vLLM server that is not `trl-fp8 vllm-serve`) is one line
+        trainer = GRPOTrainer(
+            model=model_name,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=dataset[script_args.dataset_train_split],
+            eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
+    except (ValueError, ServerError) as err:
+        print(f"trl-fp8 grpo: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        final = finish(trainer, training_args, script_args)
+    except ServerError as err:  # the server failed a call mid-run: one line naming it and the call
+        print(f"trl-fp8 grpo: error: {err}", file=sys.stderr)
+        return 1
+    finally:  # also when training raises: what the run left on a vLLM server is taken back
+        # A colocated vLLM engine goes first, while the process group it was built on exists; otherwise its exit
+        # finalizer finds the group destroyed by `trainer.end()` and prints "Invalid process group specified".
+        shutdown_trainer_vllm(trainer)
+        if hasattr(trainer, "end"):
+            trainer.end()
     return 0 if final or stopped_early(trainer) is None else EXIT_RESUMABLE
 
 
