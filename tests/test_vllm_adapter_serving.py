@@ -71,8 +71,9 @@ def _assert_every_check_compared(trainer):
     compared = {c for c, n in monitor.compared.items() if n > 0}
     assert compared == set(trl_fp8.sync_checks.CHECKS), monitor.summary()  # passed = compared something
     assert monitor.not_applicable == {}, monitor.summary()
-    # freshness: each sync (the engine's slots) and each generation (the version every rollout was generated with)
-    assert monitor.compared["coverage"] == STEPS and monitor.compared["freshness"] == 2 * STEPS
+    # freshness: each sync (the engine's slots) and each generation (the version every rollout was generated with,
+    # and the digests of the slots the kernels read after the rollouts)
+    assert monitor.compared["coverage"] == STEPS and monitor.compared["freshness"] == 3 * STEPS
     return monitor
 
 

@@ -353,7 +353,9 @@ def test_served_identity_and_what_the_kernels_read_after_the_rollouts(engine, ti
         theirs = sampler.identity(names)
         result = identity.compare(ours, theirs, "the engine", "FIX")
         assert result.passed and result.metrics["identity_tensors"] == len(names), result.message
-        reader = identity.engine_base_reader(_trl_model(llm), names)
+        from trl_fp8.engine_weights import EngineWeights
+
+        reader = EngineWeights(_trl_model(llm), names)
         reader.COMPUTED_COLUMNS = 24  # several one-hot chunks of the 64 or 128 input columns
         for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight",
                      "model.layers.1.mlp.down_proj.weight"):  # what a quantized layer's kernel read gives, here exact

