@@ -24,7 +24,7 @@ WITH_PLOT = {"fair_cast_lag.py", "duet_budget.py"}  # scripts that also write a 
      ("(b) QLoRA (TRL today)", "generation time, speed-up (b)/(c):", "dequantizations per step (b)/(c):",
       "losses identical True, adapter weights after the steps identical True", "greedy completions identical")),
     ("server_push.py", "server_push_seconds_40M:",  # no server (.venv has no vLLM): the full-size write only
-     ("measured at full size (28 layers, 40.4 M, no server): (a) write", "no server run")),
+     ("measured at full size (28 layers, 40.4 M, no server): (a) serialise + encode, no transfer", "no server run")),
 ])
 def test_benchmark_quick_mode(tmp_path, script, headline, expected):
     script, *extra = script.split()

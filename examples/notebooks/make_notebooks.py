@@ -238,16 +238,18 @@ class Session(TrainerCallback):
 session = Session()
 trainer = GRPOTrainer(model=model_id, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                       peft_config=peft_config, callbacks=[session])
-trainer.train()
-
-step = trainer.state.global_step
-start = step if session.start is None else session.start  # None: the run had already finished
-print(f"This session trained steps {start} -> {step} of {MAX_STEPS}.")
-if step < MAX_STEPS:
-    print("Stopped before the time budget ran out; the checkpoint is saved. Run the notebook again to continue.")
-else:
-    trainer.save_model(os.path.join(OUTPUT_DIR, "final_adapter"))
-    print("Training finished; the LoRA adapter is in", os.path.join(OUTPUT_DIR, "final_adapter"))"""
+try:
+    trainer.train()
+    step = trainer.state.global_step
+    start = step if session.start is None else session.start  # None: the run had already finished
+    print(f"This session trained steps {start} -> {step} of {MAX_STEPS}.")
+    if step < MAX_STEPS:
+        print("Stopped before the time budget ran out; the checkpoint is saved. Run the notebook again to continue.")
+    else:
+        trainer.save_model(os.path.join(OUTPUT_DIR, "final_adapter"))
+        print("Training finished; the LoRA adapter is in", os.path.join(OUTPUT_DIR, "final_adapter"))
+finally:  # also after an error: trackers closed, and a vLLM server forgets this run's adapter version
+    trainer.end()"""
 
 PLOTS_MD = """## 5. Plots
 

@@ -107,7 +107,12 @@ class VLLMServerLoraStream(AdapterVersionStream):
         self.closed = False
         self._labels: dict[str, object] = {}  # served name -> version label
         self._read: tuple | None = None  # (name, {PEFT name: tensor}) of the last read-back
-        info = self.client.get_server_info()
+        try:
+            info = self.client.get_server_info()
+        except Exception as err:  # noqa: BLE001 - TRL's client raises RuntimeError or a bare Exception
+            raise ValueError(f"the vLLM server at {self.url} is not a `trl-fp8 vllm-serve` server (its /server_info: "
+                             f"{' '.join(str(err).split())[:200]}). Start it with `trl-fp8 vllm-serve --model "
+                             f"{self.base_model} --lora_r {spec.rank}`.") from None
         self.dtype = getattr(torch, str(info["model_config"]["dtype"]).removeprefix("torch."))
         self.lora_config = info.get("lora_config") or {}
         self.quantization = info["model_config"].get("quantization")

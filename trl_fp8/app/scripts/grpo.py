@@ -230,6 +230,11 @@ def main(script_args, training_args, model_args, dataset_args) -> int:
     except (ValueError, ServerError) as err:
         print(f"trl-fp8 grpo: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # TRL's own refusal of a server (e.g. one without its development endpoints)
+        if "vLLM server" not in str(err):
+            raise
+        print(f"trl-fp8 grpo: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         final = finish(trainer, training_args, script_args)
