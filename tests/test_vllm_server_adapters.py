@@ -47,30 +47,14 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "trl_fp8.app.cli", "vllm-serve", "--model", "trl-fp8:smollm2", "--lora_r", "16",
            "--port", str(port), "--max_model_len", "512", "--enforce_eager"]
-    with open(log, "w") as out:  # unbuffered: the log is read while the server runs
-        proc = subprocess.Popen(cmd, env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=out, stderr=subprocess.STDOUT)
+    proc = _start_server(cmd, log)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"trl-fp8 vllm-serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            _get(f"{base}/health")
-            break
-        except OSError:
-            time.sleep(2)
-    else:
-        proc.kill()
-        pytest.fail(f"trl-fp8 vllm-serve did not come up in 600 s:\n{log.read_text()[-4000:]}")
+    _wait(proc, base, log)
     yield base, port, proc, log
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    _stop(proc)
 
 
-def _staged_versions(server_pid: int) -> list[str]:
+def _staged_versions() -> list[str]:
     """The adapter versions the server's processes have staged in their own /dev/shm folders now."""
     import glob
 
@@ -99,7 +83,7 @@ def test_grpo_pushes_adapter_versions_to_the_server_and_every_check_compares(ser
            "--fair_cast", "stochastic", "--sync_checks", "all"]
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500)
-    staged = _staged_versions(proc.pid)
+    staged = _staged_versions()
     text = run.stdout + run.stderr
     assert run.returncode == 0, text[-5000:]
     assert "Traceback" not in run.stderr, run.stderr[-5000:]
@@ -256,6 +240,19 @@ def _start_server(cmd: list[str], log: Path, prefix: list[str] = ()):
         proc = subprocess.Popen([*prefix, *cmd], env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # its engine core in its group
     return proc
+
+
+def _stop(proc) -> None:
+    """Stop a server started by :func:`_start_server` (its process group: the API server and its engine core)."""
+    import signal
+
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _wait(proc, base: str, log: Path):
@@ -421,13 +418,7 @@ def test_a_plain_vllm_server_is_refused_in_one_line_before_the_first_push(tmp_pa
         assert f":{port}" in line and ("trl-fp8 vllm-serve" in line or "VLLM_SERVER_DEV_MODE" in line), line
         assert time.time() - start < 300
     finally:
-        import signal
-
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _stop(proc)
 
 
 def _private_server(serve: list[str], log: Path, marker: str):
@@ -496,9 +487,4 @@ def test_a_server_that_cannot_see_the_trainers_files_killed_and_started_again_mi
     finally:
         os.remove(f"/dev/shm/{marker}")
         for p in (proc, again):
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+            _stop(p)
