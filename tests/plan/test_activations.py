@@ -16,7 +16,7 @@ import torch
 
 from trl_fp8.plan.activations import Shape, saved_bytes
 from trl_fp8.plan.held import saved_tensor_bytes
-from trl_fp8.plan.models import PROJECTIONS, arch_from_config
+from trl_fp8.plan.models import arch_from_config
 
 TINY = dict(model_type="qwen2", vocab_size=1000, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
@@ -26,10 +26,9 @@ SMOLLM2_2L = dict(model_type="llama", vocab_size=49152, hidden_size=576, interme
 
 
 def _model(config: dict, mode: str, tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = {k: v for k, v in config.items() if k != "model_type"}
-    cfg = (Qwen2Config if config["model_type"] == "qwen2" else LlamaConfig)(**kwargs)
+    cfg = AutoConfig.for_model(**config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     if mode.startswith("qlora"):
@@ -58,9 +57,10 @@ def _model(config: dict, mode: str, tmp_path):
 
 def _shape(config, mode, rows, seq, completion):
     residual = 4 if mode in ("full", "lora32") else 2
-    return Shape(arch_from_config(config), rows, seq, rows * completion, residual_bytes=residual, compute_bytes=2,
+    arch = arch_from_config(config)
+    return Shape(arch, rows, seq, rows * completion, residual_bytes=residual, compute_bytes=2,
                  full=mode == "full", lora_r=0 if mode == "full" else 8,
-                 lora_targets=() if mode == "full" else PROJECTIONS,
+                 lora_targets=() if mode == "full" else arch.projections,
                  adapter_bytes=2 if mode == "qlora_bf16" else 4,
                  base_weight_bytes=0.5 if mode.startswith("qlora") else residual, compact_head=False)
 
@@ -104,3 +104,23 @@ def test_smollm2_block_saved_tensors_equal_the_plan(tmp_path, mode, checkpointin
     assert measured == sum(predicted.values()), predicted
     if not checkpointing:  # checkpointing keeps a small fraction of it: the blocks' inputs only
         assert sum(saved_bytes(_shape(SMOLLM2_2L, mode, 2, 48, 32), True).values()) < measured / 3
+
+
+# Each further dense type the plan knows, as small as the tiny Qwen2 (its own defaults: no head_dim for Phi-3)
+_TYPES = {
+    "qwen3": dict(TINY, model_type="qwen3"),
+    "phi3": {k: v for k, v in dict(TINY, model_type="phi3", pad_token_id=0).items() if k != "head_dim"},
+    "gemma2": dict(TINY, model_type="gemma2"),
+    "gemma3_text": dict(TINY, model_type="gemma3_text"),
+}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_checkpointing", "checkpointing"])
+@pytest.mark.parametrize("mode", ["full", "lora32", "lora16", "qlora_bf16"])
+@pytest.mark.parametrize("model_type", list(_TYPES))
+def test_each_known_type_saves_what_the_plan_counts(tmp_path, model_type, mode, checkpointing):
+    config = _TYPES[model_type]
+    model = _model(config, mode, tmp_path)
+    measured = _measure(model, config, checkpointing, rows=4, prompt=24, completion=40)
+    predicted = saved_bytes(_shape(config, mode, 4, 64, 40), checkpointing)
+    assert measured == sum(predicted.values()), (measured - sum(predicted.values()), predicted)

@@ -74,3 +74,20 @@ def test_the_engine_share_is_honoured_for_a_server_too(capsys):
         shares[value] = json.loads(capsys.readouterr().out)["totals"]["1"]["total"]
     usable = 14.70 * 2**30
     assert abs(shares[None] / usable - 0.9) < 0.01 and abs(shares["0.8"] / usable - 0.8) < 0.01
+
+
+def test_qwen3_8b_qlora_on_a_t4_is_planned_from_its_config_json_and_by_name():
+    """The model of the Colab and Kaggle notebooks: its Hub config.json (a copy in tests/plan/fixtures) and its name,
+    through the command as users run it. Both plan the same model: the q/k norms counted, nothing refused."""
+    import os
+
+    config = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3-8b.json")
+    outs = []
+    for model in (config, "Qwen/Qwen3-8B"):
+        run = subprocess.run([sys.executable, "-m", "trl_fp8.app.cli", "plan", "--model", model, "--qlora", "--device",
+                              "t4", "--json"], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs.append(json.loads(run.stdout))
+    by_file, by_name = outs
+    assert by_file["total_bytes"] == by_name["total_bytes"] and by_file["fits"] == by_name["fits"]
+    assert by_file["params"] == 8_190_735_360  # 8.19 B: Qwen3-8B's model card

@@ -37,7 +37,7 @@ BAD = [
     ("--model", ["--model", "{config}:num_key_value_heads=3"]),
     ("--model", ["--model", "{config}:head_dim=0"]),
     ("--model", ["--model", "{config}:tie_word_embeddings=\"yes\""]),
-    ("--model", ["--model", "{config}:model_type=\"gemma2\""]),
+    ("--model", ["--model", "{config}:model_type=\"olmo2\""]),
     ("--model", ["--model", "{notjson}"]),
     ("--model", ["--model", "{listjson}"]),
     ("--model", ["--model", "mistralai/Mixtral-8x7B-v0.1"]),

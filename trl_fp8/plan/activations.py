@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .models import ATTENTION, PROJECTIONS, Arch
+from .models import Arch
 from .spec import FP32, PlanSpec
 
 INT64, BOOL = 8, 1
@@ -87,22 +87,41 @@ def block_saved_per_token(s: Shape) -> dict[str, float]:
     h, inter, heads = a.hidden, a.intermediate, a.heads
     q_width = heads * a.head_dim
     rb, cb = s.residual_bytes, s.compute_bytes
-    norm = 4 * h + 4 + (h * rb if s.full else 0)
-    attn_in = _linear_input_saves(s, ATTENTION[:3], h, rb)
-    o_in = _linear_input_saves(s, ("o_proj",), q_width, cb)
-    mlp_in = _linear_input_saves(s, ("gate_proj", "up_proj"), h, rb)
-    down_in = _linear_input_saves(s, ("down_proj",), inter, cb)
-    # the attention output (o_proj's input) is saved by sdpa already: o_proj's own save of it is the same storage
-    o_in = (0, o_in[1])
-    lora_out = s.lora_r * cb * len([p for p in PROJECTIONS if p in s.lora_targets])
-    return {
-        "norms": 2 * norm,
+    norm = 4 * h + 4 + (h * (FP32 if a.gemma else rb) if s.full else 0)  # Gemma: normalized in fp32
+    attn_group, o_group, mlp_group, down_group = a.input_groups
+    attn_in = _linear_input_saves(s, attn_group, h, rb)
+    o_in = _linear_input_saves(s, o_group, q_width, cb)
+    mlp_in = _linear_input_saves(s, mlp_group, h, rb)
+    down_in = _linear_input_saves(s, down_group, inter, cb)
+    # the attention output (o_proj's input) is saved by sdpa already: o_proj's own save of it is the same storage —
+    # except after a fused qkv_proj: q is a strided slice, rotary makes it contiguous per head, sdpa's output comes
+    # out head-major and `transpose(1, 2).contiguous()` copies it, so o_proj saves a storage of its own
+    if not a.fused:
+        o_in = (0, o_in[1])
+    lora_out = s.lora_r * cb * len([p for p in a.projections if p in s.lora_targets])
+    out = {
+        "norms": a.norms * norm,
         "projection inputs": attn_in[0] + o_in[0] + mlp_in[0],
         "LoRA inputs": attn_in[1] + o_in[1] + mlp_in[1] + down_in[1],
         "LoRA A outputs": lora_out,
         "attention (q, k, v, out, lse, mask)": 4 * q_width * cb + heads * FP32 + s.seq * cb,
         "MLP (gate, SiLU, up, product)": 3 * inter * cb + down_in[0],
     }
+    if a.qk_norm:  # q and k normalized per head: the fp32 input, the rsqrt per head, the normalized value (trained:
+        # in q's dtype, Gemma's in fp32)
+        kv_width = a.kv_heads * a.head_dim
+        out["q/k norms"] = 4 * (q_width + kv_width) + 4 * (heads + a.kv_heads) + \
+            ((q_width + kv_width) * (FP32 if a.gemma else cb) if s.full else 0)
+    return out
+
+
+def block_norm_scales(s: Shape) -> int:
+    """Gemma's norms multiply by ``1 + weight`` computed in fp32 each forward, and that vector is saved (per norm, not
+    per token): hidden × 4 B a norm, head_dim × 4 B a q/k norm. 0 for other types."""
+    a = s.arch
+    if not a.gemma:
+        return 0
+    return FP32 * (a.norms * a.hidden + (2 * a.head_dim if a.qk_norm else 0))
 
 
 def block_weight_casts(s: Shape) -> int:
@@ -111,7 +130,7 @@ def block_weight_casts(s: Shape) -> int:
     a, cb = s.arch, s.compute_bytes
     if cb >= FP32:
         return 0
-    linear = sum(o * n for o, n in (a.linear_shape(p) for p in PROJECTIONS))
+    linear = sum(o * n for o, n in (a.linear_shape(p) for p in a.projections))
     out = 0
     if s.base_weight_bytes == FP32:  # a 16-bit base is its own compute-dtype copy; a 4-bit one is dequantized again
         out += cb * linear
@@ -126,13 +145,16 @@ def head_saved(s: Shape) -> dict[str, int]:
     t = s.tokens
     scored = s.scored if s.compact_head else s.rows * (s.seq - 1)
     out = {
-        "final norm": t * (4 * a.hidden + 4 + (a.hidden * rb if s.full else 0)),
+        "final norm": t * (4 * a.hidden + 4 + (a.hidden * (FP32 if a.gemma else rb) if s.full else 0)) +
+        (FP32 * a.hidden if a.gemma else 0),
         "LM head inputs (hidden of scored positions, targets, log_z, entropy, masks)":
             scored * (a.hidden * rb + INT64 + 2 * FP32) + 2 * BOOL * s.rows * (s.seq - 1) + INT64,
         "rotary cos/sin": 2 * s.seq * a.head_dim * rb,
     }
     if s.full:
         out["embedding indices"] = t * INT64
+        if a.gemma:  # the embedding's output times sqrt(hidden): the scalar, in the weights' dtype
+            out["embedding scale"] = rb
     return out
 
 
@@ -147,7 +169,7 @@ def saved_bytes(s: Shape, checkpointing: bool) -> dict[str, int]:
         out.pop("rotary cos/sin")
     else:
         per_token = sum(block_saved_per_token(s).values())
-        out["blocks (activations)"] = int(a.layers * s.tokens * per_token)
+        out["blocks (activations)"] = int(a.layers * s.tokens * per_token) + a.layers * block_norm_scales(s)
         out["weight casts"] = a.layers * block_weight_casts(s)
         if not s.full:
             out["blocks (activations)"] -= _first_block_untracked(s)
@@ -159,19 +181,19 @@ def _first_block_untracked(s: Shape) -> int:
     ``enable_input_require_grads`` is not set) the first block saves nothing for its first norm, and its q/k/v
     layers need no weight for an input gradient: their weight casts are not saved."""
     a, cb = s.arch, s.compute_bytes
-    out = s.tokens * (4 * a.hidden + 4)
+    out = s.tokens * (4 * a.hidden + 4) + (FP32 * a.hidden if a.gemma else 0)
     if cb < FP32:
         if s.base_weight_bytes == FP32:
-            out += cb * sum(o * n for o, n in (a.linear_shape(p) for p in ATTENTION[:3]))
+            out += cb * sum(o * n for o, n in (a.linear_shape(p) for p in a.input_groups[0]))
         if s.adapter_bytes == FP32:
-            out += cb * s.lora_r * a.hidden * len([p for p in ATTENTION[:3] if p in s.lora_targets])
+            out += cb * s.lora_r * a.hidden * len([p for p in a.input_groups[0] if p in s.lora_targets])
     return out
 
 
 def recompute_bytes(s: Shape) -> int:
     """Checkpointed backward: one block's activations and weight casts, recomputed, plus the fp32 gradient of the
     block's output flowing back (``tokens × hidden × 4``)."""
-    return int(s.tokens * sum(block_saved_per_token(s).values())) + block_weight_casts(s) + \
+    return int(s.tokens * sum(block_saved_per_token(s).values())) + block_norm_scales(s) + block_weight_casts(s) + \
         s.tokens * s.arch.hidden * FP32
 
 

@@ -48,7 +48,7 @@ def build_parser(error) -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=None, metavar="R",
                    help="LoRA rank (alone: LoRA over a 16-bit base; with --qlora: its rank, default 16)")
     p.add_argument("--targets", default="all-linear",
-                   help="LoRA target projections, comma-separated (default: all-linear = all seven)")
+                   help="LoRA target modules, comma-separated (default: all-linear = every block linear: seven projections, four on Phi-3)")
     p.add_argument("--fair-cast", default="stochastic", choices=FAIR_CAST,
                    help="Fair Cast export rule (default: %(default)s)")
     p.add_argument("--lora-serving", default="auto", choices=["auto", "adapters", "merged"],
@@ -98,7 +98,7 @@ def build_parser(error) -> argparse.ArgumentParser:
 def _check(args, fail) -> None:
     """Each option's value on its own (``fail(message)`` raises), then the combinations the command decides."""
     from ..sync_checks.names import CHECKS as ALL
-    from .models import PROJECTIONS
+    from .models import LINEAR_NAMES
 
     for flag, limit in LIMITS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
@@ -109,9 +109,9 @@ def _check(args, fail) -> None:
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:  # nan, inf
         fail(f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}.")
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    if args.targets.strip() not in ("all-linear", "all") and (not targets or set(targets) - set(PROJECTIONS)):
-        bad = ", ".join(t for t in targets if t not in PROJECTIONS) or repr(args.targets)
-        fail(f"--targets: {bad} unknown; allowed: all-linear, or comma-separated {', '.join(PROJECTIONS)}.")
+    if args.targets.strip() not in ("all-linear", "all") and (not targets or set(targets) - set(LINEAR_NAMES)):
+        bad = ", ".join(t for t in targets if t not in LINEAR_NAMES) or repr(args.targets)
+        fail(f"--targets: {bad} unknown; allowed: all-linear, or comma-separated {', '.join(LINEAR_NAMES)}.")
     checks = [c.strip() for c in args.sync_checks.split(",") if c.strip()]
     if args.sync_checks.strip() not in ("default", "all", "off") and (not checks or set(checks) - set(ALL)):
         bad = ", ".join(c for c in checks if c not in ALL) or repr(args.sync_checks)

@@ -2,9 +2,10 @@
 
 Pure arithmetic (no torch, no transformers at import). A model is given as a name from :data:`MODELS` (a few public
 configs, numbers only), a ``config.json`` path, a folder holding one, a ``transformers.PretrainedConfig`` or an
-:class:`Arch`. The tensor list follows the Llama / Qwen2 / SmolLM2 layout (what ``named_parameters()`` yields for
-``LlamaForCausalLM`` / ``Qwen2ForCausalLM``): embeddings; per block q/k/v/o and gate/up/down projections (with the
-biases the config asks for) and two RMSNorm weights; the final norm; the LM head unless tied.
+:class:`Arch`. The tensor list is what ``named_parameters()`` yields for the ``*ForCausalLM`` of each known type:
+embeddings; per block the attention and MLP projections (q/k/v/o and gate/up/down; Phi-3 fuses them into ``qkv_proj``
+and ``gate_up_proj``) with the biases the config asks for, the per-head q/k norms (Qwen3, Gemma 3) and two RMSNorm
+weights (four: Gemma 2 and 3); the final norm; the LM head unless tied.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from dataclasses import dataclass, replace
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = PROJECTIONS[:4]
 MLP = PROJECTIONS[4:]
+# Phi-3's fused projections, in the order its modules are built (o_proj before qkv_proj)
+FUSED_PROJECTIONS = ("o_proj", "qkv_proj", "gate_up_proj", "down_proj")
+# every block linear's name over the known types: what "all-linear" stands for before the model is known
+LINEAR_NAMES = PROJECTIONS + ("qkv_proj", "gate_up_proj")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,33 @@ class Arch:
     o_bias: bool = False  # Llama attention_bias also puts one on o_proj
     mlp_bias: bool = False  # mlp_bias
     model_type: str = "llama"
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over head_dim on q and on k (self_attn.q_norm / k_norm)
+    norms: int = 2  # hidden-size norms per block (Gemma 2 and 3: pre/post feed-forward norms too)
+    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj
+    gemma: bool = False  # Gemma: (1 + weight) norms in fp32, a scaled embedding (an embed_scale buffer), GELU
+    rotary_kinds: int = 1  # Gemma 3: a rotary embedding per layer type (sliding and full attention)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The block's linear modules, in ``named_parameters()`` order."""
+        return FUSED_PROJECTIONS if self.fused else PROJECTIONS
+
+    @property
+    def input_groups(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """The projections reading one input: (the normed hidden states into attention, the attention output,
+        the normed hidden states into the MLP, the MLP's product)."""
+        if self.fused:
+            return ("qkv_proj",), ("o_proj",), ("gate_up_proj",), ("down_proj",)
+        return ATTENTION[:3], ("o_proj",), MLP[:2], ("down_proj",)
+
+    def lora_targets(self, targets) -> tuple[str, ...]:
+        """The block linears a LoRA ``target_modules`` list reaches on this model (as PEFT matches module names:
+        the names the model has; none at all is refused by name)."""
+        reached = tuple(p for p in self.projections if p in targets)
+        if not reached:
+            raise ValueError(f"LoRA target_modules {', '.join(targets)}: none is a module of this {self.model_type} "
+                             f"model; its block linears are {', '.join(self.projections)} (or 'all-linear').")
+        return reached
 
     # -- shapes --------------------------------------------------------------------------------------------------
     def linear_shape(self, projection: str) -> tuple[int, int]:
@@ -44,10 +76,11 @@ class Arch:
             "q_proj": (q, self.hidden), "k_proj": (kv, self.hidden), "v_proj": (kv, self.hidden),
             "o_proj": (self.hidden, q), "gate_proj": (self.intermediate, self.hidden),
             "up_proj": (self.intermediate, self.hidden), "down_proj": (self.hidden, self.intermediate),
+            "qkv_proj": (q + 2 * kv, self.hidden), "gate_up_proj": (2 * self.intermediate, self.hidden),
         }[projection]
 
     def has_bias(self, projection: str) -> bool:
-        if projection in ("q_proj", "k_proj", "v_proj"):
+        if projection in ("q_proj", "k_proj", "v_proj", "qkv_proj"):
             return self.qkv_bias
         if projection == "o_proj":
             return self.o_bias
@@ -56,16 +89,20 @@ class Arch:
     def tensors(self) -> list[Tensor]:
         """Every parameter tensor, in ``named_parameters()`` order (tied LM head: not listed again)."""
         out = [Tensor("model.embed_tokens.weight", self.vocab * self.hidden, "embedding")]
+        norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm")[:self.norms]
         for i in range(self.layers):
             prefix = f"model.layers.{i}."
-            for p in PROJECTIONS:
-                group = "self_attn" if p in ATTENTION else "mlp"
+            for p in self.projections:
+                group = "self_attn" if p in ATTENTION + ("qkv_proj",) else "mlp"
                 o, n = self.linear_shape(p)
                 out.append(Tensor(f"{prefix}{group}.{p}.weight", o * n, "linear", p, (o, n)))
                 if self.has_bias(p):
                     out.append(Tensor(f"{prefix}{group}.{p}.bias", o, "bias", p))
-            out.append(Tensor(f"{prefix}input_layernorm.weight", self.hidden, "norm"))
-            out.append(Tensor(f"{prefix}post_attention_layernorm.weight", self.hidden, "norm"))
+                if self.qk_norm and p == "o_proj":  # built after the four projections
+                    out.append(Tensor(f"{prefix}self_attn.q_norm.weight", self.head_dim, "norm"))
+                    out.append(Tensor(f"{prefix}self_attn.k_norm.weight", self.head_dim, "norm"))
+            out.extend(Tensor(f"{prefix}{n}.weight", self.hidden, "norm") for n in norms)
         out.append(Tensor("model.norm.weight", self.hidden, "norm"))
         if not self.tied:
             out.append(Tensor("lm_head.weight", self.vocab * self.hidden, "lm_head"))
@@ -86,8 +123,8 @@ class Arch:
 
     def buffer_bytes(self) -> int:
         """The model's buffers: the rotary embedding's ``inv_freq`` and ``original_inv_freq`` (fp32, head_dim / 2
-        each; transformers 5)."""
-        return 2 * (self.head_dim // 2) * 4
+        each, per kind of layer; transformers 5) and Gemma's ``embed_scale`` (one fp32 scalar)."""
+        return self.rotary_kinds * 2 * (self.head_dim // 2) * 4 + (4 if self.gemma else 0)
 
 
 @dataclass(frozen=True)
@@ -134,14 +171,48 @@ MODELS: dict[str, Arch] = {
     # num_attention_heads 32, num_key_value_heads 8 (head_dim 128), vocab_size 128256, tie_word_embeddings false,
     # attention_bias false, mlp_bias false
     "llama-3.1-8b": Arch("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256, False),
+    # Qwen/Qwen3-0.6B: hidden_size 1024, intermediate_size 3072, num_hidden_layers 28, num_attention_heads 16,
+    # num_key_value_heads 8, head_dim 128, vocab_size 151936, tie_word_embeddings true, attention_bias false
+    "qwen3-0.6b": Arch("Qwen3-0.6B", 1024, 3072, 28, 16, 8, 128, 151936, True, model_type="qwen3", qk_norm=True),
+    # Qwen/Qwen3-1.7B: hidden_size 2048, intermediate_size 6144, num_hidden_layers 28, num_attention_heads 16,
+    # num_key_value_heads 8, head_dim 128, vocab_size 151936, tie_word_embeddings true
+    "qwen3-1.7b": Arch("Qwen3-1.7B", 2048, 6144, 28, 16, 8, 128, 151936, True, model_type="qwen3", qk_norm=True),
+    # Qwen/Qwen3-4B: hidden_size 2560, intermediate_size 9728, num_hidden_layers 36, num_attention_heads 32,
+    # num_key_value_heads 8, head_dim 128, vocab_size 151936, tie_word_embeddings true
+    "qwen3-4b": Arch("Qwen3-4B", 2560, 9728, 36, 32, 8, 128, 151936, True, model_type="qwen3", qk_norm=True),
+    # Qwen/Qwen3-8B: hidden_size 4096, intermediate_size 12288, num_hidden_layers 36, num_attention_heads 32,
+    # num_key_value_heads 8, head_dim 128, vocab_size 151936, tie_word_embeddings false
+    "qwen3-8b": Arch("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, False, model_type="qwen3", qk_norm=True),
+    # microsoft/Phi-3-mini-4k-instruct: hidden_size 3072, intermediate_size 8192, num_hidden_layers 32,
+    # num_attention_heads 32, num_key_value_heads 32, vocab_size 32064, tie_word_embeddings false (fused qkv_proj,
+    # gate_up_proj; head_dim = hidden / heads = 96)
+    "phi-3-mini-4k": Arch("Phi-3-mini-4k", 3072, 8192, 32, 32, 32, 96, 32064, False, model_type="phi3", fused=True),
+    # google/gemma-2-2b: hidden_size 2304, intermediate_size 9216, num_hidden_layers 26, num_attention_heads 8,
+    # num_key_value_heads 4, head_dim 256, vocab_size 256000, tie_word_embeddings true
+    "gemma-2-2b": Arch("gemma-2-2b", 2304, 9216, 26, 8, 4, 256, 256000, True, model_type="gemma2", gemma=True,
+                       norms=4),
+    # google/gemma-3-1b-it: hidden_size 1152, intermediate_size 6912, num_hidden_layers 26, num_attention_heads 4,
+    # num_key_value_heads 1, head_dim 256, vocab_size 262144, tie_word_embeddings true (model_type gemma3_text)
+    "gemma-3-1b": Arch("gemma-3-1b", 1152, 6912, 26, 4, 1, 256, 262144, True, model_type="gemma3_text", gemma=True,
+                       norms=4, qk_norm=True, rotary_kinds=2),
 }
 
 # transformers' defaults where a config.json leaves a field out
-_TIED_DEFAULT = {"llama": False, "qwen2": False, "mistral": False}
+_TIED_DEFAULT = {"llama": False, "qwen2": False, "mistral": False, "qwen3": False, "phi3": False}
+_HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}  # the config classes' defaults
 _QKV_BIAS = {"qwen2"}  # Qwen2 attention always has q/k/v biases (no config field)
-# The model types whose modelling the plan follows tensor by tensor (the Llama layout above); anything else is refused
-# by name rather than planned as if it were one of them.
-KNOWN_TYPES = ("llama", "mistral", "qwen2")
+# What each known type's modelling holds beyond the Llama layout (the Arch fields it sets)
+_TYPE_FIELDS = {
+    "llama": {}, "mistral": {}, "qwen2": {},
+    "qwen3": {"qk_norm": True},
+    "phi3": {"fused": True},
+    "gemma": {"gemma": True},
+    "gemma2": {"gemma": True, "norms": 4},
+    "gemma3_text": {"gemma": True, "norms": 4, "qk_norm": True, "rotary_kinds": 2},
+}
+# The model types whose modelling the plan follows tensor by tensor; anything else is refused by name rather than
+# planned as if it were one of them.
+KNOWN_TYPES = tuple(_TYPE_FIELDS)
 # config.json fields that make a model a mixture of experts (router + experts per block): not the dense layout above
 MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
               "shared_expert_intermediate_size", "n_shared_experts", "num_experts_per_tok")
@@ -220,14 +291,29 @@ def arch_from_config(config, name: str | None = None) -> Arch:
     if heads % kv_heads:
         raise ValueError(f"model config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                          f"({kv_heads}).")
-    if get("head_dim") is not None:
+    if get("head_dim") is not None and model_type != "phi3":  # Phi-3 reads no head_dim: hidden / heads
         head_dim = _count(get, "head_dim")
+    elif model_type in _HEAD_DIM_DEFAULT:
+        head_dim = _HEAD_DIM_DEFAULT[model_type]
     elif hidden % heads:
         raise ValueError(f"model config: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); "
                          "give head_dim.")
     else:
         head_dim = hidden // heads
-    attention_bias = get("attention_bias", False)
+    attention_bias = get("attention_bias", False) if model_type != "phi3" else False  # Phi-3: no biases
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    partial = get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0)
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"model config: partial_rotary_factor={partial!r} (rotary on part of each head, as "
+                         f"Phi-4-mini): the plan counts full-width rotary only; known: {', '.join(KNOWN_TYPES)} "
+                         "with partial_rotary_factor 1.")
+    fields = dict(_TYPE_FIELDS[model_type])
+    if model_type == "gemma3_text":  # a rotary table per kind of layer the model has (sliding, full attention)
+        layers = _count(get, "num_hidden_layers", limit=LAYER_LIMIT + 1)
+        pattern = get("sliding_window_pattern", 6)
+        kinds = get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(layers)]
+        fields["rotary_kinds"] = len(set(kinds))
     tied = get("tie_word_embeddings")
     if tied is None:
         tied = _TIED_DEFAULT.get(model_type, True)
@@ -240,7 +326,8 @@ def arch_from_config(config, name: str | None = None) -> Arch:
         hidden=hidden, intermediate=_count(get, "intermediate_size"), layers=_count(get, "num_hidden_layers", limit=LAYER_LIMIT + 1),
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=_count(get, "vocab_size"),
         tied=tied, qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
-        mlp_bias=bool(get("mlp_bias", False)), model_type=model_type,
+        mlp_bias=bool(get("mlp_bias", False)) and model_type != "phi3", model_type=model_type,
+        **fields,
     )
 
 
@@ -265,7 +352,11 @@ def resolve_model(model) -> Arch:
                 config = json.load(f)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path!r} is not a readable config.json: {err}") from None
-        return arch_from_config(config, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        # a folder's config.json: the folder's name; another file: its own name (qwen3-8b.json -> qwen3-8b)
+        stem = os.path.basename(path)
+        name = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config.json" else \
+            stem.removesuffix(".json")
+        return arch_from_config(config, name=name)
     key = model_key(path)
     if key in MODELS:
         return MODELS[key]

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from .. import kinds, sampling
 from ..memory import GENERATION, PERSISTENT, TRAINING, Row, bytes_text, per
 from .devices import GIB, Device, resolve_device
-from .models import PROJECTIONS, resolve_model
+from .models import LINEAR_NAMES, resolve_model
 from .capabilities import DEFAULTS
 from .rows import (_activation_rows, _autocast_cache, _logits_rows, _model_rows, _optimizer_rows,  # noqa: F401
                    training_peak)
@@ -79,7 +79,8 @@ class Plan:
     def to_dict(self) -> dict:
         s = self.spec
         return {
-            "model": s.arch.name, "device": {"name": s.device.name, "usable_bytes": s.device.usable,
+            "model": s.arch.name, "model_type": s.arch.model_type, "params": s.arch.params,
+            "device": {"name": s.device.name, "usable_bytes": s.device.usable,
                                              "gpus": s.device.gpus},
             "method": method_name(s), "settings": settings(s),
             "rows": [r.as_dict() for r in self.rows],
@@ -150,16 +151,16 @@ def _lora(peft) -> LoraSpec | None:
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"LoRA rank r must be an integer >= 1, got {r!r}.")
     if targets in ("all-linear", "all", None):
-        targets = PROJECTIONS
+        targets = LINEAR_NAMES
     targets = tuple(targets) if not isinstance(targets, str) else tuple(t.strip() for t in targets.split(","))
     # a LoraConfig PEFT has applied names its targets in full (model.layers.0.self_attn.q_proj): the projection is
     # the last component
     targets = tuple(str(t).rsplit(".", 1)[-1] for t in targets)
-    unknown = [t for t in targets if t not in PROJECTIONS]
+    unknown = [t for t in targets if t not in LINEAR_NAMES]
     if unknown:
-        raise ValueError(f"LoRA target_modules {', '.join(unknown)} unknown; allowed: {', '.join(PROJECTIONS)} or "
+        raise ValueError(f"LoRA target_modules {', '.join(unknown)} unknown; allowed: {', '.join(LINEAR_NAMES)} or "
                          "'all-linear'.")
-    return LoraSpec(r, tuple(p for p in PROJECTIONS if p in targets))
+    return LoraSpec(r, tuple(p for p in LINEAR_NAMES if p in targets))
 
 
 def _quant(quantization) -> QuantSpec | None:
@@ -223,6 +224,8 @@ def make_spec(model, args=None, *, peft=None, quantization=None, device="t4", ro
     device = resolve_device(device)
     run = _Args(**vars(args)) if isinstance(args, _Args) else run_args(args)  # a copy: the plan sets fields
     lora, quant = _lora(peft), _quant(quantization)
+    if lora is not None:  # the linears the targets reach on this model (PEFT matches module names)
+        lora = replace(lora, targets=arch.lora_targets(lora.targets))
     if quant is not None and lora is None:
         raise ValueError("quantization (a 4-bit base) needs LoRA adapters to train: pass peft (QLoRA), or no "
                          "quantization for full fine-tuning.")

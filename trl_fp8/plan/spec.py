@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..memory import FP32, HALF  # noqa: F401  (re-exported: the plan's modules import them from here)
 from .devices import Device
-from .models import PROJECTIONS, Arch, Tensor
+from .models import ATTENTION, LINEAR_NAMES, Arch, Tensor
 
 
 @dataclass(frozen=True)
@@ -49,20 +49,20 @@ class QuantSpec:
 @dataclass(frozen=True)
 class LoraSpec:
     """LoRA adapters of rank ``r`` on the given projections of every block (PEFT ``LoraConfig``; ``"all-linear"`` =
-    all seven)."""
+    every block linear: the seven projections, Phi-3's four fused ones)."""
 
     r: int = 16
-    targets: tuple[str, ...] = PROJECTIONS
+    targets: tuple[str, ...] = LINEAR_NAMES
 
     def tensors(self, arch: Arch) -> list[Tensor]:
         """The factors PEFT creates: ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` per targeted projection."""
         out = []
         for i in range(arch.layers):
-            for p in PROJECTIONS:
+            for p in arch.projections:
                 if p not in self.targets:
                     continue
                 o, n = arch.linear_shape(p)
-                group = "self_attn" if p in PROJECTIONS[:4] else "mlp"
+                group = "self_attn" if p in ATTENTION + ("qkv_proj",) else "mlp"
                 name = f"base_model.model.model.layers.{i}.{group}.{p}"
                 out.append(Tensor(f"{name}.lora_A.default.weight", self.r * n, "lora_A", p, (self.r, n)))
                 out.append(Tensor(f"{name}.lora_B.default.weight", o * self.r, "lora_B", p, (o, self.r)))

@@ -91,7 +91,7 @@ def memory_plan(model, args=None, *, peft=None, quantization=None, device="t4", 
             ``max_completion_length``, ``optim``, ``beta``, ``precision``, ``model_init_kwargs["dtype"]``. Use
             :data:`FREE_TIER` for the free-tier recipe.
         peft: None (full fine-tuning), a LoRA rank, ``{"r": 16, "target_modules": [...]}`` or a ``peft.LoraConfig``
-            (default targets: all seven projections).
+            (default targets: "all-linear", every block linear of the model).
         quantization: None, ``"nf4"`` (bitsandbytes NF4 with double quantization, blocks of 64), a dict or a
             ``transformers.BitsAndBytesConfig`` (``load_in_4bit``); needs ``peft`` (QLoRA).
         device: ``"t4"``, ``"2xt4"``, ``"l4"``, ``"a100-40"``, ``"h100-80"``, a byte count or a :class:`Device`.
