@@ -5,6 +5,7 @@ The kill -9 matrix (tests/checkpoints/) proves the whole story end to end; these
 import json
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -183,7 +184,8 @@ def test_a_checkpoint_is_complete_marked_and_holds_the_settings(tmp_path, tiny_m
     assert set(listed) == {n for n in os.listdir(folder) if n != ck.MARKER}
     with open(os.path.join(folder, ck.SETTINGS)) as f:
         settings = json.load(f)
-    assert settings["capabilities"] == ["duet"] and settings["fields"]["duet_budget"] == 0.5
+    # DUET, and the Fair Cast probe (on while Fair Cast is off: it keeps no state)
+    assert settings["capabilities"] == ["duet", "fair_cast_probe"] and settings["fields"]["duet_budget"] == 0.5
     with open(os.path.join(folder, "trainer_state.json")) as f:
         assert json.load(f)["global_step"] == 2
 
@@ -461,3 +463,51 @@ def test_a_checkpoint_saved_again_in_the_other_format_keeps_no_old_weights(tmp_p
     assert sorted(os.listdir(tmp_path / "checkpoint-3")) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
         ck.MARKER]
+
+
+def test_a_final_save_killed_between_two_shard_renames_loads_the_previous_model_whole(tmp_path, tiny_model_dir,
+                                                                                      monkeypatch):
+    """The final model's shards move into output_dir one rename at a time. With the same shard names on both saves, a
+    kill after the first rename left shard 1 new and shard 2 old beside the old index, and that mix loaded silently.
+    Each save's shards now carry names of their own: until the index itself is renamed, the old index names the old
+    shards, whole."""
+    import functools
+
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(tmp_path, tiny_model_dir, max_steps=1, save_strategy="no")
+    trainer.model.save_pretrained = functools.partial(trainer.model.save_pretrained, max_shard_size="100KB")
+    out = str(tmp_path / "final")
+    ck.save_final_model(trainer, out)
+    old = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert len([n for n in os.listdir(out) if n.endswith(".safetensors")]) > 1  # sharded
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)
+
+    class Killed(BaseException):
+        pass
+
+    real_replace, moved = os.replace, []
+
+    def replace(src, dst):
+        if os.path.dirname(dst) == out and src.endswith(".safetensors") and moved:
+            raise Killed  # the process dies after one shard has moved
+        if os.path.dirname(dst) == out:
+            moved.append(src)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(Killed):
+        ck.save_final_model(trainer, out)
+    monkeypatch.setattr(os, "replace", real_replace)
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(v, old[k]) for k, v in loaded.items())
+    # and a later save completes over the leftovers: the new model, no stale shard beside it
+    shutil.rmtree(os.path.join(out, ck.TMP_PREFIX + "final-model"))  # the dead process's staging folder
+    ck.save_final_model(trainer, out)
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    ours = trainer.model.state_dict()
+    assert all(torch.equal(v, ours[k]) for k, v in loaded.items())
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert sorted(n for n in os.listdir(out) if n.endswith(".safetensors")) == sorted(set(index["weight_map"].values()))

@@ -49,7 +49,51 @@ def stopped_save_decided_together(out: str, rank: int) -> dict:
     return {"save": save.any_process(rank == 1)}
 
 
-CASES = [final_save_refused_on_the_saver, stopped_save_decided_together]
+def final_save_fails_on_the_saver(out: str, rank: int) -> dict:
+    """Rank 0's save_model fails (a full disk) after rank 1 has done its part: rank 1 must not wait in a barrier."""
+    import errno
+
+    from trl_fp8.checkpoints import save
+
+    trainer = _fake_trainer(rank, [])
+    if rank == 0:
+        def full(output_dir):
+            raise OSError(errno.ENOSPC, "No space left on device", output_dir)
+        trainer.save_model = full
+    try:
+        save.save_final_model(trainer, os.path.join(out, "final_full_disk"))
+    except Exception as err:  # noqa: BLE001 - reported
+        return {"raised": type(err).__name__, "message": str(err)}
+    return {"raised": None}
+
+
+def checkpoint_commit_fails_on_the_saver(out: str, rank: int) -> dict:
+    """The committing rank's fsync fails (EIO) in commit: every rank raises, the checkpoint is not there."""
+    import errno
+
+    from trl_fp8 import _trl
+    from trl_fp8.checkpoints import save
+
+    def eio(tmp, final):
+        raise OSError(errno.EIO, "Input/output error", tmp)
+
+    save.commit = eio
+    save.settings_of = lambda args: {}
+    _trl.write_checkpoint_files = lambda trainer, tmp, run_dir, trial: os.makedirs(tmp, exist_ok=True)
+    _trl.generation_buffer = lambda trainer: None
+    trainer = _fake_trainer(rank, [])
+    trainer.capabilities = {}
+    run_dir = os.path.join(out, "run")
+    tmp, final = os.path.join(run_dir, "_tmp-checkpoint-3"), os.path.join(run_dir, "checkpoint-3")
+    try:
+        save._stage(trainer, None, trainer.args, run_dir, tmp, final, rank == 0, {}, "checkpoint checkpoint-3")
+    except Exception as err:  # noqa: BLE001 - reported
+        return {"raised": type(err).__name__, "message": str(err), "final": os.path.exists(final)}
+    return {"raised": None, "final": os.path.exists(final)}
+
+
+CASES = [final_save_refused_on_the_saver, stopped_save_decided_together, final_save_fails_on_the_saver,
+         checkpoint_commit_fails_on_the_saver]
 
 
 def main(out: str) -> None:

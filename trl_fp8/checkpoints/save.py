@@ -4,9 +4,11 @@ a run a capability stopped inside a step."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
+import uuid
 
 import torch
 
@@ -39,7 +41,7 @@ def save_checkpoint(trainer, trial, states: dict | None = None) -> str:
     heartbeat = _claim_everywhere(committer, tmp, f"checkpoint {name}")
     try:
         with main_process_saves(args, shared):
-            _stage(trainer, trial, args, run_dir, tmp, final, committer, states or {})
+            _stage(trainer, trial, args, run_dir, tmp, final, committer, states or {}, f"checkpoint {name}")
     finally:
         if heartbeat is not None:
             heartbeat.stop()
@@ -66,20 +68,50 @@ def _claim_everywhere(saver: bool, tmp: str, what: str):
             heartbeat = claim(tmp)
         except (OSError, RuntimeError) as err:
             error = err
-    messages = distributed.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
-    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
-    if failed:
+    try:
+        settle(error, what)
+    except BaseException:
         if heartbeat is not None:
             heartbeat.stop()  # ours, unwritten: stale now, removed by the next save or start
-        if error is not None:
-            raise error
-        rank, message = failed[0]
-        raise RuntimeError(f"trl_fp8: saving {what} failed on process {rank}, so this process stops too: {message}")
+        raise
     return heartbeat
 
 
-def _stage(trainer, trial, args, run_dir: str, tmp: str, final: str, committer: bool, states: dict) -> None:
+def settle(error: BaseException | None, what: str) -> None:
+    """A barrier that carries failures: every process calls it (a collective) with the exception its part of the save
+    raised, or None. If any process failed, every process raises — the failed one its own exception, the others a
+    RuntimeError naming the process and its message — so no rank waits in the save's next barrier (until a launcher
+    timeout) for one that raised (a full disk, an ``fsync`` EIO). Collectives inside the writers themselves
+    (DeepSpeed's and FSDP's gathers) stay theirs: a process that fails before one of them still leaves the others
+    there."""
+    messages = distributed.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    rank, message = failed[0]
+    raise RuntimeError(f"trl_fp8: saving {what} failed on process {rank}, so this process stops too: {message}")
+
+
+def _stage(trainer, trial, args, run_dir: str, tmp: str, final: str, committer: bool, states: dict,
+           what: str) -> None:
     trainer.accelerator.wait_for_everyone()
+    error = None
+    try:
+        _write_staged(trainer, trial, args, run_dir, tmp, committer, states)
+    except Exception as err:  # noqa: BLE001 - carried to every process, re-raised on this one
+        error = err
+    settle(error, what)  # every process has written its files
+    if committer:
+        try:
+            commit(tmp, final)
+        except Exception as err:  # noqa: BLE001 - carried to every process, re-raised on this one
+            error = err
+    settle(error, what)
+
+
+def _write_staged(trainer, trial, args, run_dir: str, tmp: str, committer: bool, states: dict) -> None:
     _trl.write_checkpoint_files(trainer, tmp, run_dir, trial)
     buffer = _trl.generation_buffer(trainer)
     if buffer is not None:  # every process holds its own
@@ -95,10 +127,6 @@ def _stage(trainer, trial, args, run_dir: str, tmp: str, final: str, committer: 
         write_json(os.path.join(tmp, SETTINGS), {"format": FORMAT, "trl_fp8": __version__,
                                                  "capabilities": sorted(trainer.capabilities),
                                                  "world_size": args.world_size, "fields": settings_of(args)})
-    trainer.accelerator.wait_for_everyone()  # every process has written its files
-    if committer:
-        commit(tmp, final)
-    trainer.accelerator.wait_for_everyone()
 
 
 @contextlib.contextmanager
@@ -122,9 +150,12 @@ def save_final_model(trainer, output_dir: str) -> None:
     """``trainer.save_model(output_dir)``, never half-written: every process saves into
     ``<output_dir>/_tmp-final-model`` (DeepSpeed/FSDP gather there as usual), every file is fsync'd, then each is
     renamed into ``output_dir`` — the weights first, ``config.json`` and weight indexes last — and the folder is
-    fsync'd; then the earlier save's weight files of the other format (a single ``model.safetensors`` beside new
-    shards, which transformers would load first, or old shards) are removed. A kill during the (long) write leaves
-    the previous final model untouched; the renames take milliseconds."""
+    fsync'd; then the earlier save's weight files (a single ``model.safetensors`` beside new shards, which
+    transformers would load first, or old shards) are removed. A kill during the (long) write leaves the previous
+    final model untouched. The set is atomic too: shards are renamed to names unique to this save
+    (``model-00001-of-00002-<id>.safetensors``, the index rewritten to them), so until the index's own rename the old
+    index still names the old shards, whole; a kill between two renames never loads shard 1 new and shard 2 old.
+    A failure on the saving process (a full disk) is raised on every process (:func:`settle`)."""
     args = trainer.args
     tmp = os.path.join(output_dir, TMP_PREFIX + "final-model")
     shared = storage_shared_with_main(trainer, output_dir)  # collectives: every process takes part
@@ -141,32 +172,72 @@ def save_final_model(trainer, output_dir: str) -> None:
 def _write_final_model(trainer, output_dir: str, tmp: str) -> None:
     args = trainer.args
     trainer.accelerator.wait_for_everyone()
-    trainer.save_model(tmp)
-    trainer.accelerator.wait_for_everyone()
+    error = None
+    try:
+        trainer.save_model(tmp)
+    except Exception as err:  # noqa: BLE001 - carried to every process, re-raised on this one
+        error = err
+    settle(error, "a final model")
     if args.should_save:
-        if os.path.lexists(os.path.join(tmp, OWNER)):
-            os.remove(os.path.join(tmp, OWNER))  # not part of the model
-        sync_tree(tmp)
-        names = sorted(os.listdir(tmp), key=lambda n: (n == "config.json" or n.endswith(".index.json"), n))
-        for name in names:
-            src, dst = os.path.join(tmp, name), os.path.join(output_dir, name)
-            if os.path.isdir(dst) and not os.path.islink(dst):  # a folder (e.g. FSDP's sharded state): swap whole
-                aside = os.path.join(output_dir, f"{TMP_PREFIX}replaced-{name}")
-                if os.path.lexists(aside):
-                    remove_tree(aside, "left by an interrupted final save")
-                os.rename(dst, aside)
-                os.rename(src, dst)
-                remove_tree(aside, f"the previous final {name}")
-            else:
-                os.replace(src, dst)
-        for name in stale_weight_files(os.listdir(output_dir), names):  # last: until now the old weights load whole
-            os.remove(os.path.join(output_dir, name))
-        fsync_dir(output_dir)
-        remove_tree(tmp, "the emptied staging folder of the final save")
-    trainer.accelerator.wait_for_everyone()
+        try:
+            _move_final_model(output_dir, tmp)
+        except Exception as err:  # noqa: BLE001 - carried to every process, re-raised on this one
+            error = err
+    settle(error, "a final model")
 
 
-_WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+def unique_shard_names(folder: str, tag: str) -> dict[str, str]:
+    """Renames the shards of every weight index in ``folder`` to names carrying ``tag`` and rewrites the index to
+    them (written to a temporary name, fsync'd, renamed). Returns {old name: new name}."""
+    renamed = {}
+    for index in sorted(n for n in os.listdir(folder) if n.endswith(".index.json")):
+        path = os.path.join(folder, index)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict):
+            continue
+        names = {}
+        for shard in sorted(set(weight_map.values())):
+            m = _WEIGHT_FILE.match(shard)
+            if not m or not m.group(2):  # not a numbered shard of ours to rename
+                continue
+            stem, ext = shard.rsplit(".", 1)
+            names[shard] = f"{stem}-{tag}.{ext}"
+        for old, new in names.items():
+            os.rename(os.path.join(folder, old), os.path.join(folder, new))
+        data["weight_map"] = {k: names.get(v, v) for k, v in weight_map.items()}
+        write_json(path, data)
+        renamed.update(names)
+    return renamed
+
+
+def _move_final_model(output_dir: str, tmp: str) -> None:
+    if os.path.lexists(os.path.join(tmp, OWNER)):
+        os.remove(os.path.join(tmp, OWNER))  # not part of the model
+    unique_shard_names(tmp, uuid.uuid4().hex[:8])
+    sync_tree(tmp)
+    names = sorted(os.listdir(tmp), key=lambda n: (n == "config.json" or n.endswith(".index.json"), n))
+    for name in names:
+        src, dst = os.path.join(tmp, name), os.path.join(output_dir, name)
+        if os.path.isdir(dst) and not os.path.islink(dst):  # a folder (e.g. FSDP's sharded state): swap whole
+            aside = os.path.join(output_dir, f"{TMP_PREFIX}replaced-{name}")
+            if os.path.lexists(aside):
+                remove_tree(aside, "left by an interrupted final save")
+            os.rename(dst, aside)
+            os.rename(src, dst)
+            remove_tree(aside, f"the previous final {name}")
+        else:
+            os.replace(src, dst)
+    for name in stale_weight_files(os.listdir(output_dir), names):  # last: until now the old weights load whole
+        os.remove(os.path.join(output_dir, name))
+    fsync_dir(output_dir)
+    remove_tree(tmp, "the emptied staging folder of the final save")
+
+
+# a weight file: a single file, a numbered shard (with this package's save id, see unique_shard_names), an index
+_WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+(?:-[0-9a-f]{8})?)?\.(safetensors|bin)"
+                          r"(\.index\.json)?$")
 
 
 def stale_weight_files(present: list[str], written: list[str]) -> list[str]:
