@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib
 
 # (package, its Capability class in <package>/component.py), in the order set-up falls back to
-PACKAGES = (("mxfp8", "MXFP8"), ("fast_qlora", "FastQLoRA"), ("fair_cast", "FairCast"), ("duet", "Duet"),
-            ("sync_checks", "SyncChecks"), ("time_budget", "TimeBudget"))
+PACKAGES = (("mxfp8", "MXFP8"), ("fast_qlora", "FastQLoRA"), ("fair_cast", "FairCast"),
+            ("fair_cast_probe", "FairCastProbe"), ("duet", "Duet"), ("sync_checks", "SyncChecks"),
+            ("time_budget", "TimeBudget"))
 
 _BUILT: list = []
 
