@@ -252,3 +252,23 @@ def test_demo_command_on_the_real_model(tmp_path, capsys):
     assert summary["task"] == "chat_math" and summary["steps"] == 1
     assert (out / "reward.png").is_file() and (out / "sync_logprob_gap.png").is_file()
     assert "chat_math task" in capsys.readouterr().out
+
+
+def test_a_demo_with_fair_cast_off_ends_with_the_probe_s_line(tmp_path):
+    """`trl-fp8 demo --fair-cast off`, a fresh process as a user starts it: the Fair Cast probe reads every 10 steps
+    and the run ends with one line saying how much of each step's update round-to-nearest would drop and the switch
+    (the demo trains and samples in fp32, so it says "would drop"). Its readings are in the metrics file."""
+    import json
+
+    out = tmp_path / "demo"
+    run = subprocess.run([sys.executable, "-m", "trl_fp8.app.cli", "demo", "--fair-cast", "off", "--max-steps", "60",
+                          "--output-dir", str(out), "--no-progress"], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = run.stdout + run.stderr
+    line = next((x for x in text.splitlines() if x.startswith("trl_fp8: round-to-nearest into bfloat16")), None)
+    assert line is not None, text[-3000:]
+    assert "would drop" in line and "fair_cast='stochastic'" in line and "fair_cast_probe=0" in line
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    readings = [r["step"] for r in records if "fair_cast/rtn_dropped_frac" in r]
+    assert readings == [1, 11, 21, 31, 41, 51]
