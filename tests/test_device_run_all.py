@@ -89,6 +89,9 @@ def assert_smoke_run(out: Path) -> dict:
     assert summary["checks"]["many_processes"]["last_line"] == "many_processes_device_check: done"
 
     assert_memory_smoke(out)
+    # a progress line every 10 s while a check runs (the smoke checks run for longer than that)
+    progress = (out / "progress.log").read_text().splitlines()
+    assert progress and all(re.match(r"^\w+: \d+ s of \d+; last line: ", line) for line in progress), progress[:5]
     return summary
 
 

@@ -302,8 +302,22 @@ class GRPOTrainer(_TRLGRPOTrainer):
             return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         except StopNow:  # a capability stopped the step in flight: keep the last complete one
             return checkpoints.save_stopped_run(self, trial)
+        except Exception as err:
+            self._save_before_server_gone(err, trial)
+            raise
         finally:  # also when training raises (on_train_end never ran)
             trackers.restore_env(self)
+
+    def _save_before_server_gone(self, err: Exception, trial) -> None:
+        """A vLLM server that stopped answering and did not come back (:class:`~trl_fp8._trl.vllm_server_lora.
+        ServerGone`) stops the run inside a step, before its optimizer update, as a SIGTERM would: the last complete
+        step's checkpoint is saved, so a resume once the server runs again loses nothing. One process only: with
+        several, the others wait in a collective for the one that talks to the server."""
+        from ._trl.vllm_server_lora import ServerGone
+
+        if not isinstance(err, ServerGone) or self.args.world_size > 1 or not self.model.training:
+            return
+        checkpoints.save_stopped_run(self, trial)
 
     def _save_checkpoint(self, model, trial):
         checkpoints.save_checkpoint(self, trial)  # what TRL writes, written atomically; push and rotation after

@@ -17,7 +17,8 @@
 # to $OUT when the environment sets it (the device tool does), else benchmarks/results/gpu. The whole run stays under
 # 8 minutes: checks run against one deadline (DEADLINE_S, 450 s after the start; --smoke: 1800), each under
 # min(its limit, time left), and one with under 20 s left is not started (summary: "skipped"). Each check is told
-# its limit in CHECK_LIMIT_S (memory_check.py starts only the set-ups that fit in it).
+# its limit in CHECK_LIMIT_S (memory_check.py starts only the set-ups that fit in it). Every PROGRESS_S (10) seconds
+# a running check's elapsed time and last log line go to stderr and OUT/progress.log.
 set -uo pipefail
 SMOKE=0
 OUT_DIR=${OUT:-benchmarks/results/gpu}
@@ -38,8 +39,10 @@ ROOT=$(cd "$HERE/../.." && pwd)
 PY=${PYTHON:-python3}
 START=$(date +%s)
 if [ "$SMOKE" = 1 ]; then DEADLINE_S=${DEADLINE_S:-1800}; else DEADLINE_S=${DEADLINE_S:-450}; fi
+PROGRESS_S=${PROGRESS_S:-10}
 DEADLINE=$(( START + DEADLINE_S ))
 mkdir -p "$OUT_DIR"
+: >"$OUT_DIR/progress.log"
 STATUS=$(mktemp)
 INSTALL_LOG=$(mktemp)
 trap 'rm -f "$STATUS" "$INSTALL_LOG"' EXIT
@@ -74,7 +77,19 @@ run() {  # name, time limit (s), script, args...
     return
   fi
   [ "$limit" -le "$left" ] || limit=$left
-  CHECK_LIMIT_S=$limit timeout -k 10 "$limit" "$PY" "$HERE/$script" "$@" >"$OUT_DIR/$name.log" 2>&1
+  CHECK_LIMIT_S=$limit timeout -k 10 "$limit" "$PY" "$HERE/$script" "$@" >"$OUT_DIR/$name.log" 2>&1 &
+  local pid=$! next=$(( start + PROGRESS_S ))
+  # a progress line every PROGRESS_S seconds (stderr and OUT/progress.log): how far the check is and its last line,
+  # so that a run stopped from outside still shows where its time went
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if [ "$(date +%s)" -ge "$next" ] && kill -0 "$pid" 2>/dev/null; then
+      echo "$name: $(( $(date +%s) - start )) s of $limit; last line: $(tail -n 1 "$OUT_DIR/$name.log" | cut -c1-200)" \
+        | tee -a "$OUT_DIR/progress.log" >&2
+      next=$(( next + PROGRESS_S ))
+    fi
+  done
+  wait "$pid"
   rc=$?
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$limit" >>"$STATUS"
   echo "$name: exit $rc" >&2

@@ -55,6 +55,11 @@ class ServerError(RuntimeError):
     """A vLLM server call that failed: one line naming the server and the call (``trl-fp8 grpo`` prints it as is)."""
 
 
+class ServerGone(ServerError):
+    """The server stopped answering and did not come back within :data:`RESTART_WAIT_S`. Raised inside a step,
+    before its optimizer update: the trainer saves the last complete step's checkpoint first (one process)."""
+
+
 def run_id(output_dir: str | None) -> str:
     """The run's scope on a server: the host and the output folder (a re-run or a resume of the same run keeps it)."""
     where = os.path.abspath(output_dir) if output_dir else f"pid{os.getpid()}"
@@ -405,9 +410,9 @@ class VLLMServerLoraStream(AdapterVersionStream):
                       f"{RESTART_WAIT_S:.0f} s)", file=sys.stderr, flush=True)
                 said = True
             if time.monotonic() > deadline:
-                raise ServerError(f"the vLLM server at {self.url} stopped answering and did not come back within "
-                                  f"{RESTART_WAIT_S:.0f} s: start it again, then resume the run with "
-                                  "--resume_from_checkpoint auto (the last checkpoint is kept)")
+                raise ServerGone(f"the vLLM server at {self.url} stopped answering and did not come back within "
+                                 f"{RESTART_WAIT_S:.0f} s: start it again, then resume the run with "
+                                 "--resume_from_checkpoint auto")
             time.sleep(2)
 
     def _after_restart(self, asked: str | None) -> None:

@@ -13,7 +13,8 @@ reward functions
 ``correctness_reward`` and ``format_reward`` of that task can be named in ``--reward_funcs``.
 
 Exit status: 0 when training finished (or another callback ended it), 75 (:data:`EXIT_RESUMABLE`, EX_TEMPFAIL) when
-the time budget or a SIGTERM stopped it before ``max_steps``: its checkpoint is saved, run the same command again.
+the time budget or a SIGTERM stopped it before ``max_steps``, or a vLLM server stopped answering and did not come back
+(one process): its checkpoint is saved, run the same command again.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def main(script_args, training_args, model_args, dataset_args) -> int:
     except ValueError as err:
         print(f"trl-fp8 grpo: error: {err}", file=sys.stderr)
         return 2
-    from trl_fp8._trl.vllm_server_lora import ServerError
+    from trl_fp8._trl.vllm_server_lora import ServerError, ServerGone
 
     try:  # a refusal at set-up (e.g. a vLLM server that is not `trl-fp8 vllm-serve`) is one line
         trainer = GRPOTrainer(
@@ -238,6 +239,9 @@ def main(script_args, training_args, model_args, dataset_args) -> int:
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         final = finish(trainer, training_args, script_args)
+    except ServerGone as err:  # the server did not come back: the last complete step is saved (one process)
+        print(f"trl-fp8 grpo: error: {err}", file=sys.stderr)
+        return EXIT_RESUMABLE if training_args.world_size == 1 else 1
     except ServerError as err:  # the server failed a call mid-run: one line naming it and the call
         print(f"trl-fp8 grpo: error: {err}", file=sys.stderr)
         return 1
