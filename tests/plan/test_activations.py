@@ -25,9 +25,17 @@ SMOLLM2_2L = dict(model_type="llama", vocab_size=49152, hidden_size=576, interme
                   num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
 
 
+def _split(mode: str) -> tuple[str, bool, bool]:
+    """``mode`` -> (base mode, LoRA dropout 0.05, fp16 autocast over an fp16 base): ``qlora_bf16+dropout+fp16``."""
+    base, *flags = mode.split("+")
+    return base, "dropout" in flags, "fp16" in flags
+
+
 def _model(config: dict, mode: str, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    mode, dropout, fp16 = _split(mode)
+    half = torch.float16 if fp16 else torch.bfloat16
     cfg = AutoConfig.for_model(**config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -38,17 +46,17 @@ def _model(config: dict, mode: str, tmp_path):
 
         model.save_pretrained(tmp_path)
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=q, dtype=torch.bfloat16)
+                               bnb_4bit_compute_dtype=half)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=q, dtype=half)
         fourbit.guard_cpu_repack(model)
     elif mode == "lora16":
-        model = model.to(torch.bfloat16)
+        model = model.to(half)
     if mode != "full":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
-        if mode.startswith("qlora"):  # TRL keeps QLoRA factors in bf16; Fair Cast's adapter serving in fp32
-            dtype = torch.bfloat16 if mode == "qlora_bf16" else torch.float32
+        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.05 if dropout else 0))
+        if mode.startswith("qlora"):  # TRL keeps QLoRA factors in bf16 (under fp16 autocast too); Fair Cast's
+            dtype = torch.bfloat16 if mode == "qlora_bf16" else torch.float32  # adapter serving in fp32
             for p in model.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(dtype)
@@ -56,16 +64,18 @@ def _model(config: dict, mode: str, tmp_path):
 
 
 def _shape(config, mode, rows, seq, completion):
+    mode, dropout, fp16 = _split(mode)
     residual = 4 if mode in ("full", "lora32") else 2
     arch = arch_from_config(config)
     return Shape(arch, rows, seq, rows * completion, residual_bytes=residual, compute_bytes=2,
                  full=mode == "full", lora_r=0 if mode == "full" else 8,
                  lora_targets=() if mode == "full" else arch.projections,
                  adapter_bytes=2 if mode == "qlora_bf16" else 4,
-                 base_weight_bytes=0.5 if mode.startswith("qlora") else residual, compact_head=False)
+                 base_weight_bytes=0.5 if mode.startswith("qlora") else residual, compact_head=False,
+                 lora_dropout=dropout, adapter_is_compute=not (fp16 and mode == "qlora_bf16"))
 
 
-def _measure(model, config, checkpointing, rows, prompt, completion):
+def _measure(model, config, checkpointing, rows, prompt, completion, mode="full"):
     from trl.trainer.utils import add_fused_lm_head
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -81,16 +91,20 @@ def _measure(model, config, checkpointing, rows, prompt, completion):
     mask[0, :5] = 0  # a left-padded prompt
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :-completion] = -100
-    with saved_tensor_bytes(exclude=list(model.parameters())) as saved, torch.autocast("cpu", dtype=torch.bfloat16):
+    half = torch.float16 if _split(mode)[2] else torch.bfloat16
+    with saved_tensor_bytes(exclude=list(model.parameters())) as saved, torch.autocast("cpu", dtype=half):
         model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     return saved["bytes"]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no_checkpointing", "checkpointing"])
-@pytest.mark.parametrize("mode", ["full", "lora32", "lora16", "qlora_bf16", "qlora_fp32"])
+@pytest.mark.parametrize("mode", ["full", "lora32", "lora16", "qlora_bf16", "qlora_fp32", "lora32+dropout",
+                                  "qlora_bf16+dropout", "qlora_bf16+fp16", "qlora_bf16+dropout+fp16"])
 def test_tiny_qwen2_saved_tensors_equal_the_plan(tmp_path, mode, checkpointing):
+    """``+dropout``: PEFT's lora_dropout 0.05 (TRL's CLI default); ``+fp16``: an fp16 base under fp16 autocast with
+    TRL's bf16 QLoRA factors (a T4), where the factors are 16-bit but not the compute dtype."""
     model = _model(TINY, mode, tmp_path)
-    measured = _measure(model, TINY, checkpointing, rows=4, prompt=24, completion=40)
+    measured = _measure(model, TINY, checkpointing, rows=4, prompt=24, completion=40, mode=mode)
     predicted = saved_bytes(_shape(TINY, mode, 4, 64, 40), checkpointing)
     assert measured == sum(predicted.values()), predicted
 

@@ -97,7 +97,7 @@ def test_the_vllm_context_is_planned_and_a_whole_context_window_does_not_fit(cap
     """Llama-3.1-8B QLoRA, the server on the second T4: the plan sizes the engine for prompt + completion and prints
     the server's --max_model_len and the exact --kv_cache_memory_bytes; for the model's whole context (131,072
     tokens, what vLLM starts with when given no max_model_len) one request needs 16 GiB of KV cache against the
-    7.3 GiB the card leaves, and the plan says the engine cannot start (vLLM's rule: tests/test_vllm_context.py)."""
+    7.0 GiB the card leaves, and the plan says the engine cannot start (vLLM's rule: tests/test_vllm_context.py)."""
     from trl_fp8.plan import MODELS
     from trl_fp8.plan.plan import vllm_kv_for_one_request
 
@@ -113,3 +113,53 @@ def test_the_vllm_context_is_planned_and_a_whole_context_window_does_not_fit(cap
     assert any("the vLLM engine cannot start: max_model_len 131072 needs 16.00 GiB" in p for p in data["problems"])
     # (⌈131072 / 16⌉ + 1) blocks × 32 layers × 16 tokens × 8 KV heads × 2 × 128 × 2 B
     assert vllm_kv_for_one_request(MODELS["llama-3.1-8b"], 131072) == 8193 * 32 * 16 * 8 * 2 * 128 * 2
+
+
+def test_a_vllm_engine_holds_the_4bit_base_with_fp32_scales(capsys):
+    """vLLM's bitsandbytes loader unpacks double quantization: every absmax fp32 (4 B a block of 64), so Qwen2.5-7B's
+    engine weights are 5.45 GiB where the trainer's double-quantized base and 16-bit rest are 5.17."""
+    from trl_fp8.plan.spec import QuantSpec
+
+    q = QuantSpec()
+    assert q.engine_weight_bytes(64 * 1000) == 32_000 + 4 * 1000 + 64
+    assert q.weight_bytes(64 * 1000) < q.engine_weight_bytes(64 * 1000)
+    assert main(["plan", "--model", "qwen2.5-7b", "--qlora", "--device", "2xt4", "--vllm", "server", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    engine = next(r for r in rows if r["item"].startswith("vLLM engine (server): weights"))
+    assert round(engine["bytes"] / 2**30, 2) == 5.45
+
+
+def test_lora_dropout_is_planned(capsys):
+    """TRL's CLI runs lora_dropout 0.05: each LoRA layer then keeps the dropout's noise and its own lora_A input
+    (counted exactly in tests/plan/test_activations.py); the plan says so in its method and counts more."""
+    totals = []
+    for dropout in ("0", "0.05"):
+        assert main(["plan", "--model", "qwen2.5-1.5b", "--lora-r", "16", "--device", "t4", "--lora-dropout", dropout,
+                     "--no-gradient-checkpointing", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        totals.append(data["total_bytes"])
+    assert data["method"].endswith(", dropout 0.05") and totals[1] > totals[0]
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--lora-r", "16", "--lora-dropout", "1"]) == 2
+    assert "--lora-dropout must be a number in [0, 1), got 1.0" in capsys.readouterr().err
+
+
+def test_a_merged_serving_server_is_told_to_serve_the_adapters(capsys):
+    assert main(["plan", "--model", "qwen2.5-7b", "--qlora", "--device", "2xt4", "--vllm", "server",
+                 "--lora-serving", "merged"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: no" in out and "the one change that would make it fit: serve the adapters, not a merged copy " \
+                                 "(--lora-serving adapters)" in out
+
+
+def test_trl_s_bf16_qlora_factors_under_fp16_autocast_are_not_the_compute_dtype():
+    """On a T4 (fp16 autocast) TRL keeps QLoRA factors in bf16: 16-bit, but not the compute dtype, so each LoRA input
+    and factor is copied per op (measured: tests/plan/test_activations.py, ``qlora_bf16+fp16``)."""
+    from trl_fp8.plan.activations import shape_of
+    from trl_fp8.plan.plan import make_spec, plan_args
+
+    def shape(device="t4", **fields):
+        return shape_of(make_spec("qwen2.5-7b", plan_args(**fields), peft=16, quantization="nf4", device=device))
+
+    assert shape(fair_cast="off").adapter_is_compute is False  # fp16 on a T4, bf16 factors
+    assert shape(fair_cast="stochastic").adapter_is_compute is True  # Fair Cast's fp32 masters: counted as fp32
+    assert shape(device="l4", fair_cast="off").adapter_is_compute is True  # bf16 autocast on an L4

@@ -11,7 +11,9 @@ What each op saves (checked on CPU with ``torch.autograd.graph.saved_tensors_hoo
   the weight is fp32: cached by autocast for trainable weights, made per op for frozen ones; none for a 4-bit base,
   which bitsandbytes dequantizes again in backward);
 - a LoRA layer: the input of ``lora_A`` (PEFT casts it to the factors' dtype, autocast to the compute dtype: a copy
-  per layer unless input, factors and compute share one dtype) and ``lora_A``'s output (r per token) for ``lora_B``;
+  per layer unless input, factors and compute share one dtype — bf16 factors under fp16 autocast do not) and
+  ``lora_A``'s output (r per token) for ``lora_B``; with ``lora_dropout`` > 0 also the dropout's scaled Bernoulli
+  noise (in the factors' dtype) and ``lora_A``'s own input, per layer;
 - attention (sdpa with a padding mask: no GQA fast path, K and V repeated to every head): q, k, v, the output (4 ×
   heads × head_dim per token, compute dtype), the log-sum-exp (fp32 per head) and the mask in the compute dtype
   (seq per token); rotary ``cos``/``sin`` once per forward;
@@ -55,6 +57,10 @@ class Shape:
     adapter_bytes: int = FP32
     base_weight_bytes: float = FP32  # 0.5: a bitsandbytes 4-bit base (nothing saved for its weights)
     compact_head: bool = True  # CUDA (Triton): the head scores the valid positions only
+    lora_dropout: bool = False  # PEFT's lora_dropout > 0: a noise tensor and lora_A's own input per LoRA layer
+    # False: the factors' dtype is not the compute dtype although both are 16-bit (TRL's bf16 QLoRA factors under
+    # fp16 autocast): a copy of each input and of each factor per op, as for fp32 factors
+    adapter_is_compute: bool = True
 
     @property
     def tokens(self) -> int:
@@ -74,7 +80,10 @@ def _linear_input_saves(s: Shape, group: tuple[str, ...], width: int, dtype: int
             else:
                 base += width * cb
         if p in s.lora_targets:
-            if dtype == ad == cb:
+            if s.lora_dropout:  # dropout (on CPU and CUDA alike: input × scaled Bernoulli noise) saves the noise, in
+                # the dtype PEFT cast the input to (the factors'); lora_A saves its output cast to the compute dtype
+                lora += width * ad + width * cb
+            elif dtype == ad == cb and s.adapter_is_compute:
                 shared = True
             else:
                 lora += width * cb
@@ -134,7 +143,7 @@ def block_weight_casts(s: Shape) -> int:
     out = 0
     if s.base_weight_bytes == FP32:  # a 16-bit base is its own compute-dtype copy; a 4-bit one is dequantized again
         out += cb * linear
-    if s.adapter_bytes == FP32 and s.lora_targets:
+    if (s.adapter_bytes == FP32 or not s.adapter_is_compute) and s.lora_targets:
         out += cb * s.lora_r * sum(sum(a.linear_shape(p)) for p in s.lora_targets)
     return out
 
@@ -185,8 +194,10 @@ def _first_block_untracked(s: Shape) -> int:
     if cb < FP32:
         if s.base_weight_bytes == FP32:
             out += cb * sum(o * n for o, n in (a.linear_shape(p) for p in a.input_groups[0]))
-        if s.adapter_bytes == FP32:
+        if s.adapter_bytes == FP32 or not s.adapter_is_compute:
             out += cb * s.lora_r * a.hidden * len([p for p in a.input_groups[0] if p in s.lora_targets])
+    if s.lora_dropout:  # dropout on an input that needs no gradient saves no noise
+        out += s.tokens * a.hidden * s.adapter_bytes * len([p for p in a.input_groups[0] if p in s.lora_targets])
     return out
 
 
@@ -205,5 +216,8 @@ def shape_of(spec: PlanSpec, compact_head: bool = True) -> Shape:
         residual_bytes=spec.base_bytes, compute_bytes=spec.compute_bytes, full=spec.full,
         lora_r=lora.r if lora else 0, lora_targets=lora.targets if lora else (),
         adapter_bytes=spec.adapter_bytes, base_weight_bytes=0.5 if spec.quant is not None else spec.base_bytes,
-        compact_head=compact_head,
+        compact_head=compact_head, lora_dropout=bool(lora and lora.dropout),
+        # TRL's QLoRA factors are bf16: under fp16 autocast (a T4) they are not the compute dtype
+        adapter_is_compute=not (spec.adapter_bytes == 2 and spec.compute_bytes == 2 and
+                                spec.extra.get("precision") == "fp16"),
     )

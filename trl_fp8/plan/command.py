@@ -48,6 +48,9 @@ def build_parser(error) -> argparse.ArgumentParser:
     method.add_argument("--qlora", action="store_true", help="QLoRA: a 4-bit NF4 base (double quant) + LoRA")
     p.add_argument("--lora-r", type=int, default=None, metavar="R",
                    help="LoRA rank (alone: LoRA over a 16-bit base; with --qlora: its rank, default 16)")
+    p.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="LoRA dropout (PEFT's default 0; `trl-fp8 grpo`'s --lora_dropout defaults to TRL's 0.05): "
+                        "above 0 each LoRA layer keeps a dropout mask and its own input for backward")
     p.add_argument("--targets", default="all-linear",
                    help="LoRA target modules, comma-separated (default: all-linear = every block linear: seven projections, four on Phi-3)")
     p.add_argument("--fair-cast", default="stochastic", choices=FAIR_CAST,
@@ -111,6 +114,8 @@ def _check(args, fail) -> None:
         fail(f"--beta must be a number from 0 to 1e6, got {args.beta}.")
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:  # nan, inf
         fail(f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}.")
+    if not (math.isfinite(args.lora_dropout) and 0 <= args.lora_dropout < 1):
+        fail(f"--lora-dropout must be a number in [0, 1), got {args.lora_dropout}.")
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     if args.targets.strip() not in ("all-linear", "all") and (not targets or set(targets) - set(LINEAR_NAMES)):
         bad = ", ".join(t for t in targets if t not in LINEAR_NAMES) or repr(args.targets)
@@ -162,7 +167,8 @@ def run(argv: list[str], usage_error: type[Exception]) -> int:
         precision=args.precision, vllm_max_model_length=args.vllm_max_model_length, **utilization(args)))
     try:
         plan = memory_plan(
-            model, run_args, peft={"r": args.lora_r or 16, "target_modules": args.targets} if lora else None,
+            model, run_args, peft={"r": args.lora_r or 16, "target_modules": args.targets,
+                                   "lora_dropout": args.lora_dropout} if lora else None,
             quantization="nf4" if args.qlora else None, device=device, prompt_length=args.prompt_length,
             base_dtype=args.base_dtype, vllm=args.vllm, gradient_checkpointing=args.gradient_checkpointing,
             optimizer=args.optim)

@@ -140,17 +140,22 @@ def _lora(peft) -> LoraSpec | None:
         return peft
     if peft is True:
         return LoraSpec()
+    dropout = 0.0
     if isinstance(peft, int):
         r, targets = peft, "all-linear"
     elif isinstance(peft, dict):
         r, targets = peft.get("r", 16), peft.get("target_modules", "all-linear")
+        dropout = peft.get("lora_dropout", 0.0)
     else:  # a peft.LoraConfig
         kind = str(getattr(peft, "peft_type", "LORA")).rsplit(".", 1)[-1]
         if kind != "LORA":
             raise ValueError(f"peft: the plan knows LoRA (LoraConfig), not {kind}.")
         r, targets = getattr(peft, "r", 16), getattr(peft, "target_modules", None) or "all-linear"
+        dropout = getattr(peft, "lora_dropout", 0.0)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"LoRA rank r must be an integer >= 1, got {r!r}.")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"lora_dropout must be a number in [0, 1), got {dropout!r}.")
     if targets in ("all-linear", "all", None):
         targets = LINEAR_NAMES
     targets = tuple(targets) if not isinstance(targets, str) else tuple(t.strip() for t in targets.split(","))
@@ -161,7 +166,7 @@ def _lora(peft) -> LoraSpec | None:
     if unknown:
         raise ValueError(f"LoRA target_modules {', '.join(unknown)} unknown; allowed: {', '.join(LINEAR_NAMES)} or "
                          "'all-linear'.")
-    return LoraSpec(r, tuple(p for p in LINEAR_NAMES if p in targets))
+    return LoraSpec(r, tuple(p for p in LINEAR_NAMES if p in targets), float(dropout))
 
 
 def _quant(quantization) -> QuantSpec | None:
@@ -197,7 +202,8 @@ def _precision(args, device: Device, precision: str | None) -> str:
 def method_name(spec: PlanSpec) -> str:
     if spec.full:
         return "full fine-tuning"
-    lora = f"LoRA r={spec.lora.r} on {len(spec.lora.targets)} projections"
+    lora = f"LoRA r={spec.lora.r} on {len(spec.lora.targets)} projections" + \
+        (f", dropout {spec.lora.dropout:g}" if spec.lora.dropout else "")
     return f"QLoRA ({spec.quant.label}) + {lora}" if spec.quant else lora
 
 
@@ -356,11 +362,12 @@ def _generation_rows(spec: PlanSpec, sampler: dict) -> list[Row]:
 
 def engine_weight_bytes(spec: PlanSpec) -> int:
     """A vLLM engine's copy of the model, as the sampling decision says it loads it: 16-bit weights, or the 4-bit base
-    bitsandbytes builds on CUDA (adapters served over a 4-bit base); plus its LoRA slots in 16-bit (``max_loras``
+    bitsandbytes builds on CUDA (adapters served over a 4-bit base; double quantization unpacked to fp32 absmax, as
+    vLLM's loader does); plus its LoRA slots in 16-bit (``max_loras``
     of them) where it serves adapters — none for a dense stream or TRL's merged sync."""
     engine = decision_of(spec).engine
     nf4 = engine is not None and engine.weights == "nf4"
-    weights = sum(spec.quant.weight_bytes(t.numel) if nf4 and spec.quantized(t) else HALF * t.numel
+    weights = sum(spec.quant.engine_weight_bytes(t.numel) if nf4 and spec.quantized(t) else HALF * t.numel
                   for t in spec.base_tensors())
     slots = engine.max_loras if engine is not None and engine.lora is not None else 0
     return weights + slots * HALF * spec.adapter_params
@@ -424,8 +431,8 @@ def _engine_rows(spec: PlanSpec) -> tuple[list[Row], list[str], list[str]]:
                  f"cache; the rollouts need {bytes_text(need)} ({spec.rollout.generation_batch} × {spec.rollout.seq} "
                  "tokens).")
     if spec.vllm == "server":
-        start = (f"start the server with `trl-fp8 vllm-serve --model ... --max_model_len {max_len} "
-                 f"--kv_cache_memory_bytes {max(0, kv_room)}`")
+        start = f"start the server with `trl-fp8 vllm-serve --model ... --max_model_len {max_len}" + \
+            (f" --kv_cache_memory_bytes {kv_room}`" if kv_room >= one_seq else "`")
     else:
         start = f"set vllm_max_model_length={max_len}"
     notes.append(f"vLLM context: max_model_len {max_len} ({'vllm_max_model_length' if max_len != spec.rollout.seq else 'prompt + completion'}); "

@@ -41,6 +41,11 @@ class QuantSpec:
             return packed + blocks + FP32 * nested + 256 * FP32 + FP32 + code
         return packed + FP32 * blocks + code
 
+    def engine_weight_bytes(self, numel: int) -> int:
+        """The same weight as a vLLM engine holds it: vLLM's bitsandbytes loader unpacks double quantization, so
+        every absmax is fp32 (4 B a block) whatever ``double_quant`` says."""
+        return (numel + 1) // 2 + FP32 * -(-numel // self.blocksize) + 16 * FP32
+
     @property
     def label(self) -> str:
         return f"{self.quant_type.upper()}{' + double quant' if self.double_quant else ''}, blocks of {self.blocksize}"
@@ -53,6 +58,7 @@ class LoraSpec:
 
     r: int = 16
     targets: tuple[str, ...] = LINEAR_NAMES
+    dropout: float = 0.0  # lora_dropout: above 0, each LoRA layer saves a dropout mask and its own lora_A input
 
     def tensors(self, arch: Arch) -> list[Tensor]:
         """The factors PEFT creates: ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` per targeted projection."""

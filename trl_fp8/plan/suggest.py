@@ -25,7 +25,7 @@ def suggest_change(model, args, options: dict, spec: PlanSpec, capabilities) -> 
     candidates = []
     # trl_fp8's own switches first: what the run adds over TRL, dropped or made cheaper, keeps the method and the card
     # (serving the adapters keeps every capability on: tried before any is dropped)
-    if spec.lora is not None and spec.lora_serving == "merged" and spec.vllm != "server":
+    if spec.lora is not None and spec.lora_serving == "merged":  # a trl-fp8 vllm-serve server serves adapters too
         candidates.append(("serve the adapters, not a merged copy (--lora-serving adapters)",
                            {"lora_serving": "adapters"}))
     a = spec.args
