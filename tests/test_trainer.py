@@ -63,6 +63,11 @@ def test_bitwise_parity_with_trl(overrides, tmp_path):
     logs, params = _train(trl_fp8.GRPOTrainer, trl_fp8.GRPOConfig, model_dir, tmp_path, "fp8", **overrides)
 
     assert len(ref_logs) == 5  # 4 steps + the train summary
+    # at its defaults trl_fp8 adds one thing: the Fair Cast probe (Fair Cast is off) reads a sample of the weights
+    # around every 10th step and logs its share; it changes nothing else
+    probe = "fair_cast/rtn_dropped_frac"
+    assert [r["step"] for r in logs if probe in r] == [1]
+    logs = [{k: v for k, v in r.items() if k != probe} for r in logs]
     assert logs == ref_logs  # losses, rewards, grad norms, lengths: exactly equal floats
     assert params.keys() == ref_params.keys()
     for name, ref in ref_params.items():
@@ -80,7 +85,7 @@ def test_metrics_jsonl_records_every_step_without_changing_training(tmp_path, ti
     logs, params = _train(
         trl_fp8.GRPOTrainer, trl_fp8.GRPOConfig, tiny_model_dir, tmp_path, "fp8", max_steps=3, metrics_jsonl=str(path)
     )
-    assert logs == ref_logs
+    assert [{k: v for k, v in r.items() if k != "fair_cast/rtn_dropped_frac"} for r in logs] == ref_logs  # the probe
     assert all(torch.equal(params[n], p) for n, p in ref_params.items())
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 3]

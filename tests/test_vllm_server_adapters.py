@@ -41,25 +41,51 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
         return json.loads(response.read())
 
 
+def _private_namespaces() -> str | None:
+    """None when this machine lets a server run in a mount namespace of its own, else why not."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare(1) for a private mount namespace"
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
+    if probe.returncode != 0:
+        return f"unshare --mount is not permitted here: {probe.stderr.decode()[-200:]}"
+    return None
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """`trl-fp8 vllm-serve` on SmolLM2 — in a mount namespace of its own with a private /dev/shm where the machine
+    allows one (root and unshare: CI's), so that it cannot see the trainer's files, as on another machine: every
+    version reaches it as bytes. A marker file in the trainer's /dev/shm, absent from the server's, proves it."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "trl_fp8.app.cli", "vllm-serve", "--model", "trl-fp8:smollm2", "--lora_r", "16",
-           "--port", str(port), "--max_model_len", "512", "--enforce_eager"]
-    proc = _start_server(cmd, log)
+    folder = tmp_path_factory.mktemp("server")
+    log = folder / "server.log"
+    why_not = _private_namespaces()
+    marker = f"trainer-only-{os.getpid()}-smollm2"
+    if why_not is None:
+        open(f"/dev/shm/{marker}", "w").close()
+        proc = _private_server(_serve_cmd(port, SMOLLM2_TASK[0]), log, marker)
+    else:
+        proc = _start_server(_serve_cmd(port, SMOLLM2_TASK[0]), log)
     base = f"http://127.0.0.1:{port}"
-    _wait(proc, base, log)
-    yield base, port, proc, log
-    _stop(proc)
+    try:
+        _wait(proc, base, log)
+        yield base, port, proc, log
+    finally:
+        _stop(proc)
+        if why_not is None:
+            os.remove(f"/dev/shm/{marker}")
 
 
-def _staged_versions() -> list[str]:
-    """The adapter versions the server's processes have staged in their own /dev/shm folders now."""
+def _staged_versions(proc=None) -> list[str]:
+    """The adapter versions a server's processes have staged in their own /dev/shm folders now (``proc``'s: read
+    through /proc/<pid>/root, which shows its mount namespace; None: this machine's /dev/shm)."""
     import glob
 
+    shm = f"/proc/{proc.pid}/root/dev/shm" if proc is not None else "/dev/shm"
     out = []
-    for folder in glob.glob("/dev/shm/trl_fp8_served_*"):
+    for folder in glob.glob(f"{shm}/trl_fp8_served_*"):
         out += [n for n in os.listdir(folder) if n != "owner"]
     return sorted(out)
 
@@ -83,7 +109,7 @@ def test_grpo_pushes_adapter_versions_to_the_server_and_every_check_compares(ser
            "--fair_cast", "stochastic", "--sync_checks", "all"]
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500)
-    staged = _staged_versions()
+    staged = _staged_versions(proc)
     text = run.stdout + run.stderr
     assert run.returncode == 0, text[-5000:]
     assert "Traceback" not in run.stderr, run.stderr[-5000:]
@@ -269,9 +295,33 @@ def _wait(proc, base: str, log: Path):
     pytest.fail(f"the server did not come up in 600 s:\n{log.read_text()[-4000:]}")
 
 
-def _grpo(port: int, out: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "trl_fp8.app.cli", "grpo", "--model_name_or_path", "trl-fp8:smollm2",
-            "--dataset_name", "trl-fp8:chat_math", "--reward_funcs", "correctness_reward", "boxed_format_reward",
+# The server's life cycle (a restart, a re-run after a kill, a private /dev/shm) is the same whatever the model: those
+# tests run on the embedded demo model and its arithmetic task, where a step takes a fraction of a second and the
+# server starts in a fraction of SmolLM2's time; SmolLM2 is the model of the tests that compare what it serves.
+DEMO = ("trl-fp8:demo-model", "trl-fp8:arithmetic", "correctness_reward", "format_reward")
+SMOLLM2_TASK = ("trl-fp8:smollm2", "trl-fp8:chat_math", "correctness_reward", "boxed_format_reward")
+
+
+def _serve_cmd(port: int, model: str) -> list[str]:
+    return [sys.executable, "-m", "trl_fp8.app.cli", "vllm-serve", "--model", model, "--lora_r", "16",
+            "--port", str(port), "--max_model_len", "512", "--enforce_eager"]
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("demo_server") / "server.log"
+    proc = _start_server(_serve_cmd(port, DEMO[0]), log)
+    base = f"http://127.0.0.1:{port}"
+    _wait(proc, base, log)
+    yield base, port, proc, log
+    _stop(proc)
+
+
+def _grpo(port: int, out: Path, steps: int, *extra: str, task=SMOLLM2_TASK) -> list[str]:
+    model, dataset, *rewards = task
+    return [sys.executable, "-m", "trl_fp8.app.cli", "grpo", "--model_name_or_path", model,
+            "--dataset_name", dataset, "--reward_funcs", *rewards,
             "--output_dir", str(out), "--metrics_jsonl", str(out / "metrics.jsonl"), "--max_steps", str(steps),
             "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16",
             "--learning_rate", "1e-4", "--logging_steps", "1", "--report_to", "none", "--use_cpu", "true", *LORA,
@@ -339,24 +389,29 @@ def test_the_serving_version_unloaded_by_another_client_under_a_rollout_stops_th
 
 
 @pytest.mark.vllm
-def test_a_rerun_after_a_killed_run_resumes_on_the_same_server_and_leaves_only_its_own_version(server, tmp_path):
+def test_a_rerun_after_a_killed_run_resumes_on_the_same_server_and_leaves_only_its_own_version(demo_server,
+                                                                                                 tmp_path):
     """A run killed after its first checkpoint leaves its version loaded on the server; the re-run of the same output
     folder (resume_from_checkpoint auto) unloads it, trains to the end, and at the end the server holds no version of
-    the run — while another run's version on the same server is left alone."""
+    the run — while another run's version on the same server is left alone. (The demo model: see DEMO.)"""
     import signal
 
-    base, port, proc, _ = server
+    base, port, proc, _ = demo_server
     other = f"trl_fp8-{'0' * 8}-v1"  # another run's version (another scope), loaded on the server meanwhile
     out = tmp_path / "run"
-    first = subprocess.Popen(_grpo(port, out, 6, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
-                                   "default"), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+    first_log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen(_grpo(port, out, 60, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
+                                   "default", task=DEMO), cwd=tmp_path, env=_env(), stdout=first_log,
                              stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 900
     while time.time() < deadline and not (out / "checkpoint-2").exists() and first.poll() is None:
-        time.sleep(1)
+        time.sleep(0.2)
     first.send_signal(signal.SIGKILL)  # no clean-up at all
     first.wait(timeout=60)
-    assert (out / "checkpoint-2").exists(), first.stdout.read()[-3000:]
+    first_log.close()
+    assert (out / "checkpoint-2").exists(), (tmp_path / "first.log").read_text()[-3000:]
+    newest = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert newest < 60, "the first run finished before it was killed"
     left = [m["id"] for m in _get(f"{base}/v1/models")["data"] if m["id"].startswith("trl_fp8-")]
     assert left, "the killed run left its version loaded"
     other_folder = tmp_path / "other"
@@ -369,14 +424,15 @@ def test_a_rerun_after_a_killed_run_resumes_on_the_same_server_and_leaves_only_i
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         assert response.status == 200
-    second = subprocess.run(_grpo(port, out, 4, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
-                                  "default", "--resume_from_checkpoint", "auto"), cwd=tmp_path, env=_env(),
+    second = subprocess.run(_grpo(port, out, newest + 2, "--save_strategy", "steps", "--save_steps", "1",
+                                  "--sync_checks", "default", "--resume_from_checkpoint", "auto", task=DEMO),
+                            cwd=tmp_path, env=_env(),
                             capture_output=True, text=True, timeout=1500)
     text = second.stdout + second.stderr
     assert second.returncode == 0, text[-5000:]
     assert "Traceback" not in second.stderr, second.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    assert steps and max(r.get("step", 0) for r in steps) == 4
+    assert steps and max(r.get("step", 0) for r in steps) == newest + 2
     names = [m["id"] for m in _get(f"{base}/v1/models")["data"] if m["id"].startswith("trl_fp8-")]
     assert names == [other], names  # the run's own versions are gone, the other run's stays
     assert _serves(base)
@@ -432,22 +488,19 @@ def _private_server(serve: list[str], log: Path, marker: str):
 @pytest.mark.vllm
 def test_a_server_that_cannot_see_the_trainers_files_killed_and_started_again_mid_run(tmp_path):
     """The server in its own mount namespace with a private /dev/shm: every version travels as bytes over HTTP and is
-    staged in the server's own /dev/shm; SmolLM2 + LoRA + Fair Cast SR + every check. After the run's first
+    staged in the server's own /dev/shm; the demo model + LoRA + Fair Cast SR + every check. After the run's first
     checkpoint the server (and its engine core) is SIGKILLed and started again on the same port: the trainer waits for
     it, pushes the current version again (the same bytes the checks verified), regenerates the step's rollouts and
     finishes with every check compared and passing."""
     import shutil
     import signal
 
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for a private mount namespace")
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare --mount is not permitted here: {probe.stderr.decode()[-200:]}")
+    why_not = _private_namespaces()
+    if why_not is not None:
+        pytest.skip(why_not)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    serve = [sys.executable, "-m", "trl_fp8.app.cli", "vllm-serve", "--model", "trl-fp8:smollm2", "--lora_r", "16",
-             "--port", str(port), "--max_model_len", "512", "--enforce_eager"]
+    serve = _serve_cmd(port, DEMO[0])
     marker = f"trainer-only-{os.getpid()}"
     open(f"/dev/shm/{marker}", "w").close()  # visible to the trainer, not to the server
     shm_before = set(os.listdir("/dev/shm"))
@@ -456,18 +509,22 @@ def test_a_server_that_cannot_see_the_trainers_files_killed_and_started_again_mi
     try:
         _wait(proc, base, tmp_path / "server-1.log")
         out = tmp_path / "run"
-        run = subprocess.Popen(_grpo(port, out, 4, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
-                                     "all"), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+        run_log = open(tmp_path / "run.log", "w")  # a file, not a pipe nobody reads while the run goes on
+        run = subprocess.Popen(_grpo(port, out, 40, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
+                                     "all", task=DEMO), cwd=tmp_path, env=_env(), stdout=run_log,
                                stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 900
         while time.time() < deadline and not (out / "checkpoint-1").exists() and run.poll() is None:
-            time.sleep(1)
-        assert (out / "checkpoint-1").exists(), run.stdout.read()[-3000:] if run.poll() is not None else "no ckpt"
+            time.sleep(0.2)
+        assert (out / "checkpoint-1").exists(), (tmp_path / "run.log").read_text()[-3000:]
         os.killpg(proc.pid, signal.SIGKILL)  # the server and its engine core, without warning
+        assert run.poll() is None, "the run ended before the server was killed"
         proc.wait(timeout=60)
         again = _private_server(serve, tmp_path / "server-2.log", marker)
         _wait(again, base, tmp_path / "server-2.log")
-        text, _ = run.communicate(timeout=1500)
+        run.wait(timeout=1500)
+        run_log.close()
+        text = (tmp_path / "run.log").read_text()
         assert run.returncode == 0, text[-5000:]
         assert "Traceback" not in text, text[-3000:]
         # the restarted server was pushed the run's version (whichever call first met the gap: the push, which waits
@@ -475,7 +532,7 @@ def test_a_server_that_cannot_see_the_trainers_files_killed_and_started_again_mi
         assert '"POST /v1/load_lora_adapter HTTP/1.1" 200' in (tmp_path / "server-2.log").read_text()
         assert "is back" in text or "restarted; pushing adapter version" in text or "stopped answering" not in text
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-        assert max(r["step"] for r in steps) == 4
+        assert max(r["step"] for r in steps) == 40
         compared = {k.removeprefix("sync/") for r in steps for k, v in r.items() if k.startswith("sync/") and v == 1.0}
         assert {"recipe_parity", "coverage", "freshness", "quant_parity", "logprob_agreement",
                 "differential_oracle"} <= compared, compared
@@ -486,5 +543,56 @@ def test_a_server_that_cannot_see_the_trainers_files_killed_and_started_again_mi
         assert _serves(base)
     finally:
         os.remove(f"/dev/shm/{marker}")
+        for p in (proc, again):
+            _stop(p)
+
+
+@pytest.mark.vllm
+def test_a_server_that_does_not_come_back_stops_the_run_with_its_checkpoint_and_the_resume_carries_on(tmp_path):
+    """The server is killed mid-run and not started again: after its wait ($TRL_FP8_SERVER_WAIT_S, 20 s here) the run
+    saves the last complete step, says in one line which server did not come back and how to resume, and exits 75;
+    with the server started again, `--resume_from_checkpoint auto` trains on to the end. (The demo model: see DEMO.)"""
+    import signal
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    serve = _serve_cmd(port, DEMO[0])
+    proc = _start_server(serve, tmp_path / "server-1.log")
+    again = None
+    try:
+        _wait(proc, base, tmp_path / "server-1.log")
+        out = tmp_path / "run"
+        run_log = open(tmp_path / "run.log", "w")
+        run = subprocess.Popen(_grpo(port, out, 40, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
+                                     "default", task=DEMO), cwd=tmp_path, env={**_env(), "TRL_FP8_SERVER_WAIT_S": "20"},
+                               stdout=run_log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 900
+        while time.time() < deadline and not (out / "checkpoint-1").exists() and run.poll() is None:
+            time.sleep(0.2)
+        assert (out / "checkpoint-1").exists(), (tmp_path / "run.log").read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert run.poll() is None, "the run ended before the server was killed"
+        run.wait(timeout=900)
+        run_log.close()
+        text = (tmp_path / "run.log").read_text()
+        assert run.returncode == 75, text[-5000:]
+        assert "Traceback" not in text, text[-3000:]
+        assert f"trl-fp8 grpo: error: the vLLM server at {base} stopped answering and did not come back within 20 s: " \
+               "start it again, then resume the run with --resume_from_checkpoint auto" in text, text[-3000:]
+        from trl_fp8.checkpoints import check_complete
+
+        newest = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+        assert newest < 40 and check_complete(str(out / f"checkpoint-{newest}")).complete
+        assert "was stopped at a micro-batch/generation boundary" in text  # the stop-save, not a periodic one only
+        again = _start_server(serve, tmp_path / "server-2.log")
+        _wait(again, base, tmp_path / "server-2.log")
+        second = subprocess.run(_grpo(port, out, newest + 2, "--save_strategy", "steps", "--save_steps", "1",
+                                      "--sync_checks", "default", "--resume_from_checkpoint", "auto", task=DEMO),
+                                cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+        assert second.returncode == 0, (second.stdout + second.stderr)[-5000:]
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        assert max(r["step"] for r in steps) == newest + 2
+    finally:
         for p in (proc, again):
             _stop(p)

@@ -67,7 +67,25 @@ def run_id(output_dir: str | None) -> str:
 
 
 GENERATE_TIMEOUT_S = 1800.0  # a generate request that gets no answer in this long: the server is taken as lost
-RESTART_WAIT_S = 300.0  # how long a lost server is waited for before the run stops (one line, checkpoint kept)
+WAIT_ENV = "TRL_FP8_SERVER_WAIT_S"
+
+
+def _restart_wait() -> float:
+    value = os.environ.get(WAIT_ENV, "").strip()
+    if not value:
+        return 300.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"${WAIT_ENV}={value!r}: give the seconds a lost vLLM server is waited for (a number >= 0).")
+    return seconds
+
+
+# how long a lost server is waited for before the run saves its last complete step and stops (one line); 300 s, or
+# $TRL_FP8_SERVER_WAIT_S
+RESTART_WAIT_S = _restart_wait()
 
 
 def timeout_for(nbytes: int) -> float:

@@ -59,7 +59,7 @@ class FairCastProbe(Capability):
 
     @staticmethod
     def validate(args) -> None:
-        check_int("fair_cast_probe", args.fair_cast_probe, 0)
+        check_int("fair_cast_probe", getattr(args, "fair_cast_probe", declaration.DEFAULT_EVERY), 0)
 
     def setup(self, trainer) -> bool:
         args = trainer.args
@@ -78,7 +78,7 @@ class FairCastProbe(Capability):
         if why is not None:
             logger.info("trl_fp8: the Fair Cast probe is off for this run: %s.", why)
             return False
-        self.every = int(args.fair_cast_probe)
+        self.every = int(getattr(args, "fair_cast_probe", declaration.DEFAULT_EVERY))  # a plain TRL config: default
         self.dtype = torch.float16 if args.fp16 else torch.bfloat16
         # the sampler computes in 16 bits: autocast (the in-process generation), or a vLLM engine (bf16/fp16)
         self.samples_16bit = bool(args.bf16 or args.fp16 or sampling.vllm_mode(args) != "off")
