@@ -126,7 +126,7 @@ def describe(trainer) -> list[str]:
     if not caps:
         return ["trl_fp8: no capability on; TRL's trainer as it is."]
     use_vllm = bool(getattr(trainer, "use_vllm", False))
-    observers = [c.name for c in caps if type(c).before_sync is not _base_hook("before_sync")]
+    observers = [c.name for c in sync_observers(caps)]
     with _training(trainer):
         path = _offerer(caps, "generation_path", trainer)
         call = _offerer(caps, "vllm_generate", trainer) if use_vllm else None
@@ -137,6 +137,13 @@ def describe(trainer) -> list[str]:
     else:
         lines.append(f"trl_fp8: in-process generation path: {path or 'TRL'}")
     return lines
+
+
+def sync_observers(caps) -> list:
+    """The capabilities that observe a sync (their own ``before_sync`` or ``after_sync``): only for them does the
+    trainer wrap TRL's vLLM sync; a run whose capabilities observe none keeps TRL's sync as it is."""
+    return [c for c in caps if type(c).before_sync is not _base_hook("before_sync")
+            or type(c).after_sync is not _base_hook("after_sync")]
 
 
 def _base_hook(name):

@@ -130,7 +130,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         for name, capability in list(self.capabilities.items()):
             if capability.sampler_ready(self, offer) is False:
                 del self.capabilities[name]
-        if decision.vllm != "off" and self.capabilities:
+        if decision.vllm != "off" and composition.sync_observers(self.capabilities.values()):
             _trl.wrap_vllm_sync(self.vllm_generation, self._observed_vllm_sync)
         if self.accelerator.is_main_process and (self.capabilities or decision.kind != sampling.TRL):
             for line in decision.describe() + composition.describe(self):
