@@ -90,7 +90,7 @@ def assert_smoke_run(out: Path) -> dict:
 
     assert_memory_smoke(out)
     # a progress line every 10 s while a check runs (the smoke checks run for longer than that)
-    progress = (out / "progress.log").read_text().splitlines()
+    progress = [line for line in (out / "progress.log").read_text().split("\n") if line]
     assert progress and all(re.match(r"^\w+: \d+ s of \d+; last line: ", line) for line in progress), progress[:5]
     return summary
 

@@ -84,7 +84,9 @@ run() {  # name, time limit (s), script, args...
   while kill -0 "$pid" 2>/dev/null; do
     sleep 1
     if [ "$(date +%s)" -ge "$next" ] && kill -0 "$pid" 2>/dev/null; then
-      echo "$name: $(( $(date +%s) - start )) s of $limit; last line: $(tail -n 1 "$OUT_DIR/$name.log" | cut -c1-200)" \
+      # the last line as a terminal shows it: what follows its last carriage return (progress bars redraw with \r)
+      echo "$name: $(( $(date +%s) - start )) s of $limit; last line: $(tail -n 1 "$OUT_DIR/$name.log" \
+        | awk -F'\r' '{print $NF}' | cut -c1-200)" \
         | tee -a "$OUT_DIR/progress.log" >&2
       next=$(( next + PROGRESS_S ))
     fi
