@@ -77,3 +77,15 @@ def test_the_stream_gives_up_on_a_server_after_its_wait_with_server_gone(monkeyp
                                          r"then resume the run with --resume_from_checkpoint auto"):
         stream._wait_for_server()
     assert "stopped answering; waiting for it" in capsys.readouterr().err
+
+
+def test_the_wait_is_read_when_a_server_is_lost_and_a_bad_value_is_refused_by_name(monkeypatch):
+    from trl_fp8._trl import vllm_server_lora as vsl
+
+    monkeypatch.setenv("TRL_FP8_SERVER_WAIT_S", "20")
+    assert vsl.restart_wait() == 20.0
+    monkeypatch.delenv("TRL_FP8_SERVER_WAIT_S")
+    assert vsl.restart_wait() == vsl.RESTART_WAIT_S == 300.0
+    monkeypatch.setenv("TRL_FP8_SERVER_WAIT_S", "soon")
+    with pytest.raises(ValueError, match=r"\$TRL_FP8_SERVER_WAIT_S='soon': give the seconds"):
+        vsl.restart_wait()

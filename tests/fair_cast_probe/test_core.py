@@ -68,3 +68,14 @@ def test_a_fixed_sample_spread_over_the_tensors():
 def test_a_served_dtype_that_is_not_16_bit_is_refused():
     with pytest.raises(ValueError, match="served dtype must be torch.bfloat16 or torch.float16"):
         DroppedShare([("w", torch.nn.Parameter(torch.zeros(3)))], torch.float32)
+
+
+def test_the_plan_counts_the_probe_only_where_it_runs():
+    from trl_fp8.plan.plan import make_spec, plan_args
+    from trl_fp8.fair_cast_probe.memory import memory_rows
+
+    lora16 = make_spec("qwen2.5-1.5b", plan_args(fair_cast="off"), peft=16, device="t4")  # fp32 factors
+    qlora = make_spec("qwen2.5-1.5b", plan_args(fair_cast="off"), peft=16, quantization="nf4", device="t4")
+    rows = memory_rows(lora16)
+    assert len(rows) == 1 and 0 < rows[0].bytes <= 12 * 64 * 4096
+    assert memory_rows(qlora) == []  # TRL's bf16 QLoRA factors: the probe turns itself off

@@ -68,12 +68,17 @@ def run_id(output_dir: str | None) -> str:
 
 GENERATE_TIMEOUT_S = 1800.0  # a generate request that gets no answer in this long: the server is taken as lost
 WAIT_ENV = "TRL_FP8_SERVER_WAIT_S"
+# how long a lost server is waited for before the run saves its last complete step and stops (one line), unless
+# $TRL_FP8_SERVER_WAIT_S says otherwise (read when a server is lost, not at import)
+RESTART_WAIT_S = 300.0
 
 
-def _restart_wait() -> float:
+def restart_wait() -> float:
+    """The wait for a lost server: ``$TRL_FP8_SERVER_WAIT_S`` when set, else :data:`RESTART_WAIT_S`; a value that is
+    not a number >= 0 is refused by name."""
     value = os.environ.get(WAIT_ENV, "").strip()
     if not value:
-        return 300.0
+        return RESTART_WAIT_S
     try:
         seconds = float(value)
     except ValueError:
@@ -81,11 +86,6 @@ def _restart_wait() -> float:
     if not seconds >= 0 or seconds == float("inf"):
         raise ValueError(f"${WAIT_ENV}={value!r}: give the seconds a lost vLLM server is waited for (a number >= 0).")
     return seconds
-
-
-# how long a lost server is waited for before the run saves its last complete step and stops (one line); 300 s, or
-# $TRL_FP8_SERVER_WAIT_S
-RESTART_WAIT_S = _restart_wait()
 
 
 def timeout_for(nbytes: int) -> float:
@@ -414,7 +414,8 @@ class VLLMServerLoraStream(AdapterVersionStream):
 
         import requests
 
-        deadline, said = time.monotonic() + RESTART_WAIT_S, False
+        wait = restart_wait()
+        deadline, said = time.monotonic() + wait, False
         while True:
             try:
                 if self.http.get(f"{self.url}/health", timeout=10).status_code == 200:
@@ -425,11 +426,11 @@ class VLLMServerLoraStream(AdapterVersionStream):
                 pass
             if not said:
                 print(f"trl_fp8: the vLLM server at {self.url} stopped answering; waiting for it (up to "
-                      f"{RESTART_WAIT_S:.0f} s)", file=sys.stderr, flush=True)
+                      f"{wait:.0f} s)", file=sys.stderr, flush=True)
                 said = True
             if time.monotonic() > deadline:
                 raise ServerGone(f"the vLLM server at {self.url} stopped answering and did not come back within "
-                                 f"{RESTART_WAIT_S:.0f} s: start it again, then resume the run with "
+                                 f"{wait:.0f} s: start it again, then resume the run with "
                                  "--resume_from_checkpoint auto")
             time.sleep(2)
 

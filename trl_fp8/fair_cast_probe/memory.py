@@ -8,6 +8,9 @@ from .core import ELEMENTS, TENSORS, sample_sizes
 
 
 def memory_rows(spec) -> list[Row]:
+    # off where the trained weights are 16-bit (no fp32 master): TRL's bf16 QLoRA factors, a 16-bit full model
+    if (spec.adapter_bytes if spec.lora is not None else spec.base_bytes) != 4:
+        return []
     if spec.lora is not None:
         trained = [t.numel for t in spec.lora.tensors(spec.arch)]
     else:
