@@ -403,11 +403,11 @@ def test_a_rerun_after_a_killed_run_resumes_on_the_same_server_and_leaves_only_i
     first_log = open(tmp_path / "first.log", "w")
     first = subprocess.Popen(_grpo(port, out, 60, "--save_strategy", "steps", "--save_steps", "1", "--sync_checks",
                                    "default", task=DEMO), cwd=tmp_path, env=_env(), stdout=first_log,
-                             stderr=subprocess.STDOUT, text=True)
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 900
     while time.time() < deadline and not (out / "checkpoint-2").exists() and first.poll() is None:
         time.sleep(0.2)
-    first.send_signal(signal.SIGKILL)  # no clean-up at all
+    os.killpg(first.pid, signal.SIGKILL)  # the launcher and the training process at once: no clean-up at all
     first.wait(timeout=60)
     first_log.close()
     assert (out / "checkpoint-2").exists(), (tmp_path / "first.log").read_text()[-3000:]

@@ -73,6 +73,68 @@ def test_a_sigterm_to_the_launcher_saves_and_exits_75(tmp_path):
     assert "SIGTERM received" in log and "--resume_from_checkpoint auto" in log
 
 
+def test_a_launcher_killed_outright_stops_the_training_process_with_a_checkpoint(tmp_path):
+    """SIGKILL to the launcher alone (the OOM killer, `kill -9` on the pid a user sees): the training process it
+    started is not left training on, orphaned — Linux's parent-death signal gives it a SIGTERM, it saves at the step's
+    end and exits. (Before, it trained to max_steps alone, writing into the run's folder.)"""
+    import psutil
+
+    out = tmp_path / "run"
+    proc = _launch(out, "--max_steps", "1000", "--time_budget", "10h")
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:  # training has started: a step is logged
+            if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 1:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before the signal"
+        trainers = psutil.Process(proc.pid).children()
+        assert len(trainers) == 1, trainers
+        proc.kill()  # the launcher only
+        log = proc.communicate(timeout=60)[0]
+        gone, alive = psutil.wait_procs(trainers, timeout=300)
+        assert not alive, "the training process outlived its launcher by 300 s"
+    finally:
+        _finish(proc, 1)
+    saved = _checkpoints(out)
+    assert len(saved) == 1 and all(saved.values()), (saved, log[-3000:])
+    steps = (out / "metrics.jsonl").read_text().count('"loss"')
+    assert steps < 1000 and f"checkpoint-{steps}" in saved, (steps, saved)
+
+
+def test_following_the_launcher_is_armed_only_for_the_launchers_own_child(monkeypatch):
+    from trl_fp8.app import scripts
+
+    monkeypatch.delenv(scripts.SIGNALS_FORWARDED_ENV, raising=False)
+    assert scripts.follow_the_launcher() is False  # not launched by `trl-fp8 grpo`
+    monkeypatch.setenv(scripts.SIGNALS_FORWARDED_ENV, "1")
+    assert scripts.follow_the_launcher() is False  # an older launcher's value: no pid to follow
+    # a process whose parent is not the launcher named (a launch in between, still running): not armed
+    monkeypatch.setenv(scripts.SIGNALS_FORWARDED_ENV, str(os.getpid()))
+    assert scripts.follow_the_launcher() is False
+    monkeypatch.setenv(scripts.SIGNALS_FORWARDED_ENV, str(os.getppid()))
+    if sys.platform.startswith("linux"):
+        try:
+            assert scripts.follow_the_launcher() is True
+        finally:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # disarmed: pytest's parent may end before pytest does
+
+
+def test_a_launcher_gone_before_training_starts_stops_the_process(tmp_path):
+    """The launcher died between starting the process and the process arming its parent-death signal: it stops
+    before anything loads."""
+    code = ("import os, sys; from trl_fp8.app.scripts import follow_the_launcher; follow_the_launcher(); "
+            "print('trained on')")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer exists
+    env = {**os.environ, "TRL_FP8_SIGNALS_FORWARDED": str(dead.pid)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert "trained on" not in done.stdout and f"launcher (pid {dead.pid}) is gone" in done.stderr
+
+
 @pytest.mark.slow
 def test_a_run_its_time_budget_stopped_exits_75(tmp_path):
     out = tmp_path / "run"

@@ -180,7 +180,8 @@ class SigtermForwarding:
         from .scripts import SIGNALS_FORWARDED_ENV
 
         self._env = os.environ.get(SIGNALS_FORWARDED_ENV)
-        os.environ[SIGNALS_FORWARDED_ENV] = "1"  # the launched process inherits it
+        # the launched processes inherit it: the launcher's pid, so that each stops with it (follow_the_launcher)
+        os.environ[SIGNALS_FORWARDED_ENV] = str(os.getpid())
         self._previous = signal.signal(signal.SIGTERM, self._forward)
         return self
 

@@ -255,6 +255,9 @@ def main(script_args, training_args, model_args, dataset_args) -> int:
 
 
 if __name__ == "__main__":
+    from . import follow_the_launcher
+
+    follow_the_launcher()  # a launcher killed outright stops this process too (a SIGTERM: save, exit 75)
     parser = make_parser()
     # Keys consumed by `accelerate launch` may stay in the recipe; the CLI has already checked the rest.
     try:
