@@ -34,6 +34,20 @@ def test_chunks_become_an_adapter_folder_in_the_servers_own_ram_folder(tmp_path)
     assert not os.path.exists(path)
 
 
+def test_a_name_staged_again_with_other_bytes_serves_the_new_bytes(tmp_path):
+    """A re-run pushes its version names again while an earlier run's folder of the same name is still staged (it was
+    killed before dropping it): the new bytes replace the folder — the old one was kept before, and the server
+    served the killed run's factors under the new run's version."""
+    stage = staging.Staging(str(tmp_path), None)
+    old, new = b"old factors" * 7, b"new factors" * 7
+    path = _send(stage, "trl_fp8-ab12-v1", old)["path"]
+    assert _send(stage, "trl_fp8-ab12-v1", new)["path"] == path
+    assert open(os.path.join(path, "adapter_model.safetensors"), "rb").read() == new
+    assert sorted(os.listdir(os.path.dirname(path))) == ["owner", "trl_fp8-ab12-v1"]  # nothing set aside is left
+    assert _send(stage, "trl_fp8-ab12-v1", new)["path"] == path  # the same bytes again (a second worker): kept
+    assert open(os.path.join(path, "adapter_model.safetensors"), "rb").read() == new
+
+
 def test_damaged_bytes_are_refused_and_nothing_is_left(tmp_path):
     stage = staging.Staging(str(tmp_path), None)
     blob = b"x" * 40

@@ -127,10 +127,21 @@ class Staging:
         os.replace(part, os.path.join(staging, "adapter_model.safetensors"))
         with open(os.path.join(staging, "adapter_config.json"), "w") as f:
             json.dump(config, f)
+        if os.path.isdir(final) and _digest_of(final) == sha256:  # another worker of this host staged these bytes
+            shutil.rmtree(staging, ignore_errors=True)
+            return {"path": final}
+        if os.path.isdir(final):  # an earlier version of the same name (a re-run's leftover): replaced, never kept
+            aside = f"{final}.old.{os.getpid()}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)
         try:
             os.replace(staging, final)
-        except OSError:  # another worker of this host staged the same bytes first (checked above): keep its folder
+        except OSError:  # another worker of this host renamed its copy in between: kept only if it holds these bytes
             shutil.rmtree(staging, ignore_errors=True)
+            if _digest_of(final) != sha256:
+                raise ValueError(f"adapter version {name!r}: {final} holds other bytes than the version sent "
+                                 "(another process staged the same name)") from None
         return {"path": final}
 
     def drop(self, name: str) -> None:
@@ -143,6 +154,18 @@ class Staging:
                     shutil.rmtree(leftover, ignore_errors=True)
                 else:
                     os.remove(leftover)
+
+
+def _digest_of(folder: str) -> str | None:
+    """The sha256 of a staged folder's adapter bytes (None when it has none)."""
+    digest = hashlib.sha256()
+    try:
+        with open(os.path.join(folder, "adapter_model.safetensors"), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def _check_name(name: str) -> None:

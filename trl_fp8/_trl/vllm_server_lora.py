@@ -194,6 +194,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
         ours = [m["id"] for m in listed if str(m.get("id", "")).startswith(self.prefix)]
         for name in ours:
             self._call("/v1/unload_lora_adapter", {"lora_name": name}, ok=(200, 404))
+            self._drop(name)  # its staged folder too: this run pushes the same names again
         return ours
 
     # -- the push ------------------------------------------------------------------------------------------------
