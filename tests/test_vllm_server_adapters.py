@@ -21,7 +21,9 @@ LORA = ["--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32", "--lora_ta
 
 
 def _env():
-    return subprocess_env()
+    # a server and its trainer take turns, never compute at once (the trainer waits on each generate request; the
+    # server idles while the trainer trains): each may use the machine's two cores
+    return subprocess_env(threads=2)
 
 
 def _free_port() -> int:
@@ -216,6 +218,40 @@ def test_another_base_on_the_server_stops_the_run_before_the_first_rollout(serve
     assert info.value.check == "recipe_parity" and "'model.layers.3.mlp.up_proj.weight'" in message, message
     assert "the vLLM server computes with is not the learner's" in message and "trl-fp8 vllm-serve --model" in message
     assert proc.poll() is None and _serves(base)
+
+
+@pytest.mark.vllm
+def test_a_server_that_came_back_on_another_base_is_refused_before_anything_is_pushed_to_it(server, tmp_path,
+                                                                                           monkeypatch):
+    """A server that restarted may come back on another checkpoint: its base is compared with the learner's again
+    before the current version is pushed to it, and a difference stops the run naming the tensor. (The restart is
+    simulated by the identity the server answers: the same server answers the learner's, then another.)"""
+    import trl_fp8
+
+    base, port, proc, _ = server
+    trainer = _lora_trainer(port, tmp_path, max_steps=1)
+    trainer.train()
+    lora = trainer.offer().sampler.lora
+    assert lora.identity_recheck is not None
+    lora._recheck_identity()  # the same server, the same base: compared, nothing raised
+    real = lora.identity
+    changed = []
+
+    def another_base(names):
+        found = real(names)
+        changed.append(names[7])
+        found["tensors"] = {**found["tensors"], names[7]: "0" * 32}
+        return found
+
+    monkeypatch.setattr(lora, "identity", another_base)
+    pushed = lora.push_count
+    with pytest.raises(trl_fp8.WeightSyncError) as info:
+        lora._after_restart(None)
+    message = str(info.value)
+    assert info.value.check == "recipe_parity" and f"'{changed[0]}'" in message, message
+    assert "after the server restarted" in message and "trl-fp8 vllm-serve --model" in message, message
+    assert lora.push_count == pushed  # nothing was pushed to a server on another base
+    lora.close()
 
 
 @pytest.mark.vllm

@@ -130,6 +130,8 @@ class VLLMServerLoraStream(AdapterVersionStream):
         self.closed = False
         self._labels: dict[str, object] = {}  # served name -> version label
         self._read: tuple | None = None  # (name, {PEFT name: tensor}) of the last read-back
+        # set by the served-identity check: compares the base of a server that came back with the learner's again
+        self.identity_recheck = None
         try:
             info = self.client.get_server_info()
         except Exception as err:  # noqa: BLE001 - TRL's client raises RuntimeError or a bare Exception
@@ -233,6 +235,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
                 if attempt == 2 or not self._unreachable(err):
                     raise
                 self._wait_for_server()
+                self._recheck_identity()
         try:
             self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, len(blob))
         except ServerError as err:  # the previous version keeps serving
@@ -435,6 +438,12 @@ class VLLMServerLoraStream(AdapterVersionStream):
                                  "--resume_from_checkpoint auto")
             time.sleep(2)
 
+    def _recheck_identity(self) -> None:
+        """A server that restarted may have come back on another checkpoint (another --model, --dtype, 4-bit or
+        not): its base is compared with the learner's again before anything is pushed to it (the check raises)."""
+        if self.identity_recheck is not None:
+            self.identity_recheck()
+
     def _after_restart(self, asked: str | None) -> None:
         """The server restarted (or is restarting): wait for it (:data:`RESTART_WAIT_S`), then push the current
         version to it again under a new name with the same label — the bytes the checks verified — so the step's
@@ -446,6 +455,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
             if self.current is not None and asked is not None and asked != self.current[0]:
                 return  # another thread pushed it again already
             self._wait_for_server()
+            self._recheck_identity()
             if self.current is not None and self.current[2] is not None and \
                     self.current[2] in self.worker_state()["resident"]:
                 raise ServerError(f"the vLLM server at {self.url} stopped serving adapter version "

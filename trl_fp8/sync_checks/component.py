@@ -190,6 +190,10 @@ class SyncChecks(Capability):
             else:
                 where, fix = "the colocated vLLM engine", f"the engine must load {source} as the learner did"
             self.monitor.report(identity.compare(learner, engine, where, fix))
+            stream = getattr(sampler, "lora", None)
+            if stream is not None and hasattr(stream, "identity_recheck"):  # a server that restarts: compared again
+                stream.identity_recheck = lambda: self.monitor.report(identity.compare(
+                    learner, sampler.identity(names), where, fix, when="after the server restarted"))
 
     # -- every sync (the trainer's in-process sync of a twin, or TRL's vLLM sync) ----------------------------------
     def before_sync(self, trainer, step: int) -> None:

@@ -56,9 +56,10 @@ def learner_identity(model, dtype: torch.dtype, tokenizer, quantization: str | N
     return describe(tensors, dtype, quantization, tokenizer)
 
 
-def compare(learner: dict, engine: dict, where: str, fix: str) -> CheckResult:
+def compare(learner: dict, engine: dict, where: str, fix: str, when: str = "before the first rollout") -> CheckResult:
     """The first difference between the two identities, by name, with ``fix`` (the command that makes them agree);
-    reported as ``recipe_parity`` (the served recipe, before the first rollout)."""
+    reported as ``recipe_parity`` (the served recipe, ``when``: before the first rollout, or after a server came
+    back)."""
     name = "recipe_parity"
     settings = (("version", "trl_fp8 version", "install the same trl_fp8 on both sides"),
                 ("quantization", "base quantization", fix),
@@ -69,8 +70,10 @@ def compare(learner: dict, engine: dict, where: str, fix: str) -> CheckResult:
         if key == "tokenizer" and (lv is None or ev is None):
             continue  # one side has no tokenizer to describe: nothing compared
         if lv != ev:
-            return CheckResult(name, False, f"served identity: the {what} differs before the first rollout: learner "
+            return CheckResult(name, False, f"served identity: the {what} differs {when}: learner "
                                             f"{lv!r}, {where} {ev!r} — {remedy}.")
+    if when != "before the first rollout":
+        where = f"{where} ({when})"
     ours, theirs = learner["tensors"], engine["tensors"]
     missing = [n for n in ours if theirs.get(n) is None]
     if missing:
