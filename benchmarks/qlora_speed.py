@@ -584,6 +584,9 @@ def run_comparison(setup: Setup, log=None) -> dict:
             per_rep.append(figures)
             log(f"rep {rep + 1}: " + ", ".join(
                 f"{arm} step {figures[arm]['step']:.3f} s gen {figures[arm]['gen']:.3f} s" for arm in arms))
+            # the headline so far, after each repetition: a time limit that stops the run later leaves it standing
+            so_far = _ratio_median(per_rep, "fast", "lora16", "step")
+            log(f"step time (c)/(a) so far, median of {len(per_rep)} repetition(s): {_fmt(so_far, '.3f')}")
         if setup.device != "cpu":
             memory = {arm: dict(runs[arm].memory) for arm in arms}
         results.update(per_rep=per_rep, memory=memory)

@@ -89,3 +89,90 @@ def test_the_wait_is_read_when_a_server_is_lost_and_a_bad_value_is_refused_by_na
     monkeypatch.setenv("TRL_FP8_SERVER_WAIT_S", "soon")
     with pytest.raises(ValueError, match=r"\$TRL_FP8_SERVER_WAIT_S='soon': give the seconds"):
         vsl.restart_wait()
+
+
+class _FakeServer:
+    """A `trl-fp8 vllm-serve` server as the stream's calls see it: its workers stage, load and hold one LoRA id; the
+    connection of one chosen call is cut mid-answer (the server killed), after which it is a fresh server."""
+
+    def __init__(self, cut: str):
+        self.cut, self.calls, self.ids, self.resident, self.loaded = cut, [], 0, [], {}
+
+    def get(self, url, timeout):
+        class Ok:
+            status_code = 200
+        return Ok()
+
+    def post(self, url, json, timeout):
+        import json as _json
+
+        import requests
+
+        path = url.split("127.0.0.1:1", 1)[1]
+        method = _json.loads(json["args"][0]) if path == "/collective_rpc" else None
+        what = path if method is None else f"{json['method']}:{method.get('op', '')}"
+        self.calls.append(what)
+        if what == self.cut:
+            self.cut = None
+            self.ids, self.resident, self.loaded = 100, [], {}  # killed; it comes back with nothing loaded
+            raise requests.exceptions.ChunkedEncodingError("Connection broken: IncompleteRead(0 bytes read)")
+        results = None
+        if path == "/v1/load_lora_adapter":
+            self.ids += 1
+            self.loaded[json["lora_name"]] = self.ids
+            self.resident = [self.ids]
+        elif path == "/v1/unload_lora_adapter":
+            self.loaded.pop(json["lora_name"], None)
+        elif json["method"] == "trl_fp8_stage_adapter":
+            results = [{"path": f"/srv/{method['name']}"} if method["op"] == "commit" else {}]
+        elif json["method"] == "trl_fp8_lora_state":
+            results = [{"id": self.ids, "resident": list(self.resident)}]
+        answer = {"results": results} if results is not None else {}
+
+        class Response:
+            status_code = 200
+            text = ""
+
+            def json(self):
+                return answer
+        return Response()
+
+
+@pytest.mark.parametrize("cut", ["/v1/unload_lora_adapter", "trl_fp8_stage_adapter:drop", "/v1/load_lora_adapter",
+                                 "trl_fp8_stage_adapter:commit", "trl_fp8_lora_state:"])
+def test_a_server_killed_anywhere_in_a_push_is_waited_for_compared_again_and_pushed_the_version_whole(cut, capsys):
+    """The connection cut mid-answer (requests' ChunkedEncodingError: it escaped the stream as a traceback when the
+    server was killed while the previous version was being dropped) — at each call of a push: the stream waits for the
+    server, compares its base again, and pushes the same version to it whole under a new name."""
+    import collections
+    import types
+
+    import torch
+
+    from trl_fp8._trl import vllm_server_lora as vsl
+
+    stream = vsl.VLLMServerLoraStream.__new__(vsl.VLLMServerLoraStream)
+    server = _FakeServer(None)
+    stream.url, stream.http, stream.prefix, stream.dtype = "http://127.0.0.1:1", server, "trl_fp8-ab12-v", torch.float32
+    stream.base_model, stream.client = "m", types.SimpleNamespace(model="m")
+    stream.spec = types.SimpleNamespace(adapter="default", rank=2)
+    stream.current, stream.paths, stream.closed, stream._labels, stream._read = None, {}, False, {}, None
+    stream.pushes, stream.push_count, stream.last_sent = collections.deque(maxlen=8), 0, {}
+    rechecked = []
+    stream.identity_recheck = lambda: rechecked.append(True)
+    names = ["base_model.model.layers.0.q_proj.lora_A.default.weight",
+             "base_model.model.layers.0.q_proj.lora_B.default.weight"]
+    first = [(n, torch.full((2, 2), 1.0)) for n in names]
+    second = [(n, torch.full((2, 2), 2.0)) for n in names]
+    stream.push(iter(first), 1)
+    assert stream.current[0] == "trl_fp8-ab12-v1" and not rechecked
+    server.cut = cut  # killed under the second push
+    name, label, lora_id = stream.push(iter(second), 2)
+    assert cut in server.calls
+    if cut == "trl_fp8_stage_adapter:drop":  # the new version was loaded: nothing to redo in the push (a server
+        assert name == "trl_fp8-ab12-v2" and not rechecked  # that died there fails the next generate: restart path)
+        return
+    assert rechecked == [True]  # the base of the server that came back, compared before the version went to it
+    assert label == 2 and name == "trl_fp8-ab12-v3" and server.loaded == {name: lora_id} and server.resident == [lora_id]
+    assert torch.equal(stream.last_sent[names[0]], torch.full((2, 2), 2.0))
+    assert "stopped answering" not in capsys.readouterr().err  # it answered /health at once

@@ -176,7 +176,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
             response = self.http.post(f"{self.url}{path}", json=body, timeout=timeout)
         except requests.Timeout:
             raise ServerError(f"the vLLM server at {self.url} did not answer {path} within {timeout:.0f} s") from None
-        except requests.ConnectionError as err:
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as err:  # refused, or cut mid-answer
             raise ServerError(f"the vLLM server at {self.url} cannot be reached for {path} "
                               f"({type(err).__name__}): is it still running?") from None
         if response.status_code not in ok:
@@ -203,7 +203,19 @@ class VLLMServerLoraStream(AdapterVersionStream):
     @torch.no_grad()
     def push(self, named, version=None, again: bool = False):
         """``again``: the same bytes as the last push (to a restarted server), not a new sync: what the checks
-        verified is kept as it was."""
+        verified is kept as it was. A server lost anywhere in the push (staging, loading, unloading the previous
+        version) is waited for, its base compared again, and the version pushed to it whole under a new name."""
+        named = list(named)
+        for attempt in (1, 2):
+            try:
+                return self._push_once(named, version, again)
+            except ServerError as err:
+                if attempt == 2 or not self._unreachable(err):
+                    raise
+                self._wait_for_server()
+                self._recheck_identity()
+
+    def _push_once(self, named, version, again: bool):
         from safetensors.torch import save
 
         from .vllm_lora import check_complete, peft_to_vllm_name
@@ -227,19 +239,13 @@ class VLLMServerLoraStream(AdapterVersionStream):
         blob = save({f"base_model.model.{k}": v.contiguous() for k, v in tensors.items()})
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "use_rslora": False, "target_modules": targets,
                   "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.base_model}
-        for attempt in (1, 2):  # a server restarting under the push: waited for, then the version staged again
-            try:
-                folder = self._stage(name, blob, config)
-                break
-            except ServerError as err:
-                if attempt == 2 or not self._unreachable(err):
-                    raise
-                self._wait_for_server()
-                self._recheck_identity()
+        folder = self._stage(name, blob, config)
         try:
             self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, len(blob))
         except ServerError as err:  # the previous version keeps serving
             self._drop(name)
+            if self._unreachable(err):
+                raise
             raise ServerError(f"LoRA version {name!r} was not loaded: {err}") from None
         self.paths[name] = folder
         state = self.worker_state(keep_latest=True)
