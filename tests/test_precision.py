@@ -187,3 +187,35 @@ def test_a_colocated_engine_is_started_in_half_when_precision_chose_fp16(monkeyp
         trl_vllm.LLM(model="m")  # fp16 by hand: TRL's engine as it is
     trl_vllm.LLM(model="m")  # outside the context
     assert [c.get("dtype") for c in calls] == ["half", "float32", None, None, None]
+
+
+@pytest.mark.parametrize("features, bf16, warned", [
+    (["avx", "avx2", "fma"], None, True),  # TRL's default (an unset bf16 becomes True) on an AVX2-only CPU
+    (["avx", "avx2", "fma"], True, True),
+    (["avx", "avx2", "fma"], False, False),  # fp32: nothing to say
+    (["avx2", "avx512f", "avx512_bf16"], None, False),  # native bf16 (Cooper Lake, Zen 4)
+    (["avx2", "amx_bf16", "amx_tile"], None, False),  # AMX (Sapphire Rapids)
+    ([], None, False),  # features unknown: nothing claimed
+])
+def test_bf16_on_a_cpu_without_native_bf16_is_said_once(monkeypatch, caplog, features, bf16, warned):
+    import trl_fp8.native as native
+
+    _fake_cuda(monkeypatch)
+    monkeypatch.setattr(native, "vector_extensions", lambda: features)
+    with caplog.at_level(logging.WARNING, logger="trl_fp8.precision"):
+        for _ in range(2):
+            assert resolve_precision(_args(precision=None, bf16=bf16, use_cpu=True)) is None
+    said = [r.getMessage() for r in caplog.records if "without native bf16" in r.getMessage()]
+    assert len(said) == (1 if warned else 0), said
+    if warned:
+        assert "precision='auto' (or bf16=False) trains in fp32" in said[0]
+
+
+def test_precision_bf16_asked_on_a_cpu_without_native_bf16_is_said(monkeypatch, caplog):
+    import trl_fp8.native as native
+
+    _fake_cuda(monkeypatch)
+    monkeypatch.setattr(native, "vector_extensions", lambda: ["avx2"])
+    with caplog.at_level(logging.WARNING, logger="trl_fp8.precision"):
+        assert resolve_precision(_args(precision="bf16", use_cpu=True)) == "bf16"
+    assert any("without native bf16" in r.getMessage() for r in caplog.records)

@@ -88,13 +88,44 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
+# The CPU features with which torch computes bf16 natively (x86: AVX512-BF16, AMX; Arm: the BF16 extension);
+# without one it emulates bf16 through fp32 conversions.
+CPU_BF16_FEATURES = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this CPU computes bf16 natively (None: its features cannot be read, e.g. no /proc/cpuinfo)."""
+    from .native import vector_extensions
+
+    features = set(vector_extensions())
+    if not features:
+        return None
+    return any(f in features for f in CPU_BF16_FEATURES)
+
+
+def _warn_emulated_cpu_bf16(args) -> None:
+    """bf16 autocast on a CPU run (TRL's default ``bf16=True``, or asked) where the CPU has no native bf16: said once,
+    with the way out. Measured on an AVX2-only CPU (AMD EPYC, 2 threads): SmolLM2-135M with LoRA r=16, 4 sequences of
+    112 tokens, backward 88 s in bf16 against 2 s in fp32 (forward 7.7 s against 1.6 s)."""
+    on_cpu = _use_cpu(args) or (not cuda_devices() and _other_accelerator() is None)
+    if not on_cpu or args.bf16 is False or cpu_has_native_bf16() is not False:
+        return
+    message = ("bf16 autocast on a CPU without native bf16 (no AVX512-BF16 or AMX here): torch emulates it, and a "
+               "step is many times slower than in fp32 (a LoRA backward on SmolLM2-135M measured 40x slower on an "
+               "AVX2 CPU). precision='auto' (or bf16=False) trains in fp32 on a CPU.")
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)
+
+
 def resolve_precision(args, capabilities=()) -> str | None:
     """Resolve ``args.precision`` into ``args.bf16`` / ``args.fp16`` (and what ``capabilities`` adapt to it through
     :meth:`~trl_fp8.capability.Capability.adapt_precision`, e.g. Fair Cast's ``served_dtype``), before TRL's
     ``__post_init__``. Returns the precision used, or None where TRL's fields apply unchanged. A ``bf16`` or ``fp16``
     given explicitly that contradicts it raises a ``ValueError`` naming both fields."""
     asked = args.precision
-    if asked is None:
+    if asked is None:  # TRL's behaviour: an unset bf16 becomes True, on a CPU too
+        _warn_emulated_cpu_bf16(args)
         return None
     from .capability import check_choice  # here: the plan reads PrecisionArgs without torch
 
@@ -115,6 +146,8 @@ def resolve_precision(args, capabilities=()) -> str | None:
         raise ValueError(f"{where}, but fp16=True was given: drop fp16 (precision sets it), or set precision=None "
                          "to use bf16/fp16 as given.")
     args.bf16, args.fp16 = bf16, fp16
+    if bf16:
+        _warn_emulated_cpu_bf16(args)
     notes = {"bf16": "bf16 autocast (bf16=True)", "fp16": "fp16 autocast over fp32 master weights (fp16=True)",
              "fp32": "fp32 (bf16=False, fp16=False)"}[resolved]
     for capability in capabilities:  # declared per capability (e.g. Fair Cast serves fp16 under fp16)
