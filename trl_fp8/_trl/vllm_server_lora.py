@@ -461,13 +461,13 @@ class VLLMServerLoraStream(AdapterVersionStream):
             if self.current is not None and asked is not None and asked != self.current[0]:
                 return  # another thread pushed it again already
             self._wait_for_server()
-            self._recheck_identity()
             if self.current is not None and self.current[2] is not None and \
                     self.current[2] in self.worker_state()["resident"]:
                 raise ServerError(f"the vLLM server at {self.url} stopped serving adapter version "
                                   f"{self.current[0]!r} while its workers still hold it: another client unloaded it "
                                   "(/v1/unload_lora_adapter) under a rollout — a restarted server holds no version. "
                                   "Let one run own its versions on a server")
+            self._recheck_identity()  # a restarted server: the base it came back with, before the version goes to it
             label = None if self.current is None else self.current[1]
             print(f"trl_fp8: the vLLM server at {self.url} restarted; pushing adapter version {label} to it again",
                   file=sys.stderr, flush=True)
