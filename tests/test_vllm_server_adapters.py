@@ -244,6 +244,7 @@ def test_a_server_that_came_back_on_another_base_is_refused_before_anything_is_p
         return found
 
     monkeypatch.setattr(lora, "identity", another_base)
+    monkeypatch.setattr(lora, "worker_state", lambda *a, **k: {"id": 0, "resident": []})  # restarted: holds nothing
     pushed = lora.push_count
     with pytest.raises(trl_fp8.WeightSyncError) as info:
         lora._after_restart(None)
