@@ -58,7 +58,7 @@ import sys
 rows = [json.loads(line) for line in open(sys.argv[2]) if line.strip()]
 steps = [r for r in rows if "loss" in r]
 checks = [(k, v) for r in steps for k, v in r.items() if k.startswith("sync/") and not
-          k.startswith(("sync/logp", "sync/is_ratio", "sync/identity")) and v in (0.0, 1.0)]
+          k.startswith(("sync/logp_", "sync/is_ratio", "sync/identity")) and v in (0.0, 1.0)]
 failed = sum(1 for _, v in checks if v == 0.0)
 names = sorted({k.removeprefix("sync/") for k, v in checks if v == 1.0})
 print(f"checks that compared and passed: {', '.join(names)}")
