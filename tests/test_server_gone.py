@@ -157,7 +157,7 @@ def test_a_server_killed_anywhere_in_a_push_is_waited_for_compared_again_and_pus
     stream.base_model, stream.client = "m", types.SimpleNamespace(model="m")
     stream.spec = types.SimpleNamespace(adapter="default", rank=2)
     stream.current, stream.paths, stream.closed, stream._labels, stream._read = None, {}, False, {}, None
-    stream.pushes, stream.push_count, stream.last_sent = collections.deque(maxlen=8), 0, {}
+    stream.pushes, stream.push_count, stream.last_sent, stream._busy = collections.deque(maxlen=8), 0, {}, 0
     rechecked = []
     stream.identity_recheck = lambda: rechecked.append(True)
     names = ["base_model.model.layers.0.q_proj.lora_A.default.weight",
@@ -176,3 +176,33 @@ def test_a_server_killed_anywhere_in_a_push_is_waited_for_compared_again_and_pus
     assert label == 2 and name == "trl_fp8-ab12-v3" and server.loaded == {name: lora_id} and server.resident == [lora_id]
     assert torch.equal(stream.last_sent[names[0]], torch.full((2, 2), 2.0))
     assert "stopped answering" not in capsys.readouterr().err  # it answered /health at once
+
+
+def test_a_server_lost_under_the_checks_read_back_is_pushed_the_version_again_and_read(capsys):
+    """Killed between pushes — under the checks' read-back of the slots or the digests after a generation: the read
+    waits for the server, compares its base again, pushes the current version (the bytes the checks verified, same
+    label) and reads the new server. (It stopped the run with "cannot be reached for /collective_rpc" before.)"""
+    import collections
+    import types
+
+    import torch
+
+    from trl_fp8._trl import vllm_server_lora as vsl
+
+    stream = vsl.VLLMServerLoraStream.__new__(vsl.VLLMServerLoraStream)
+    server = _FakeServer(None)
+    stream.url, stream.http, stream.prefix, stream.dtype = "http://127.0.0.1:1", server, "trl_fp8-ab12-v", torch.float32
+    stream.base_model, stream.client = "m", types.SimpleNamespace(model="m")
+    stream.spec = types.SimpleNamespace(adapter="default", rank=2)
+    stream.current, stream.paths, stream.closed, stream._labels, stream._read = None, {}, False, {}, None
+    stream.pushes, stream.push_count, stream.last_sent, stream._busy = collections.deque(maxlen=8), 0, {}, 0
+    rechecked = []
+    stream.identity_recheck = lambda: rechecked.append(True)
+    names = ["base_model.model.layers.0.q_proj.lora_A.default.weight",
+             "base_model.model.layers.0.q_proj.lora_B.default.weight"]
+    stream.push(iter([(n, torch.full((2, 2), 1.0)) for n in names]), 7)
+    server.cut = "trl_fp8_lora_state:"
+    state = stream.worker_state()
+    assert rechecked == [True] and stream.current[1] == 7 and stream.current[0] == "trl_fp8-ab12-v2"
+    assert state["id"] == stream.current[2] and server.resident == [state["id"]]
+    assert "restarted; pushing adapter version 7 to it again" in capsys.readouterr().err

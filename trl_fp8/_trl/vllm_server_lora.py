@@ -34,6 +34,7 @@ the base, is caught at the step it happens.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -132,6 +133,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
         self._read: tuple | None = None  # (name, {PEFT name: tensor}) of the last read-back
         # set by the served-identity check: compares the base of a server that came back with the learner's again
         self.identity_recheck = None
+        self._busy = 0  # inside a push or a restart: a lost server is theirs to handle
         try:
             info = self.client.get_server_info()
         except Exception as err:  # noqa: BLE001 - TRL's client raises RuntimeError or a bare Exception
@@ -207,13 +209,16 @@ class VLLMServerLoraStream(AdapterVersionStream):
         version) is waited for, its base compared again, and the version pushed to it whole under a new name."""
         named = list(named)
         for attempt in (1, 2):
+            self._busy += 1
             try:
                 return self._push_once(named, version, again)
             except ServerError as err:
                 if attempt == 2 or not self._unreachable(err):
                     raise
-                self._wait_for_server()
-                self._recheck_identity()
+            finally:
+                self._busy -= 1
+            self._wait_for_server()
+            self._recheck_identity()
 
     def _push_once(self, named, version, again: bool):
         from safetensors.torch import save
@@ -316,7 +321,16 @@ class VLLMServerLoraStream(AdapterVersionStream):
         them (its slot buffers), or with ``digests`` their digests only."""
         request = {"keep_latest": keep_latest, "names": list(names or ()), "adapter": self.spec.adapter,
                    "digests": digests}
-        results = self._rpc("trl_fp8_lora_state", request)
+        try:
+            results = self._rpc("trl_fp8_lora_state", request)
+        except ServerError as err:
+            # a server lost between pushes (under the checks' read-back, the digests after a generation): waited for,
+            # compared again and pushed the current version, then asked again. Inside a push or a restart the
+            # error goes to them (they retry as a whole).
+            if not self._unreachable(err) or self._busy or self.current is None:
+                raise
+            self._after_restart(None)
+            results = self._rpc("trl_fp8_lora_state", request)
         first = results[0]
         if any(r["id"] != first["id"] or r["resident"] != first["resident"] for r in results[1:]):
             raise RuntimeError(f"the vLLM server's workers disagree on the LoRA versions they hold: {results!r:.300}")
@@ -444,6 +458,14 @@ class VLLMServerLoraStream(AdapterVersionStream):
                                  "--resume_from_checkpoint auto")
             time.sleep(2)
 
+    @contextlib.contextmanager
+    def _handling(self):
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+
     def _recheck_identity(self) -> None:
         """A server that restarted may have come back on another checkpoint (another --model, --dtype, 4-bit or
         not): its base is compared with the learner's again before anything is pushed to it (the check raises)."""
@@ -457,7 +479,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
         import threading
 
         lock = self.__dict__.setdefault("_restart_lock", threading.Lock())
-        with lock:
+        with lock, self._handling():
             if self.current is not None and asked is not None and asked != self.current[0]:
                 return  # another thread pushed it again already
             self._wait_for_server()
