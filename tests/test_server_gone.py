@@ -206,3 +206,27 @@ def test_a_server_lost_under_the_checks_read_back_is_pushed_the_version_again_an
     assert rechecked == [True] and stream.current[1] == 7 and stream.current[0] == "trl_fp8-ab12-v2"
     assert state["id"] == stream.current[2] and server.resident == [state["id"]]
     assert "restarted; pushing adapter version 7 to it again" in capsys.readouterr().err
+
+
+def test_a_server_that_does_not_answer_its_configuration_is_said_in_one_line_not_waited_for_forever():
+    """TRL's client asks /server_info without a timeout (a wedged server held the trainer there for ever): the
+    stream asks with its call timeout and says which server did not answer what."""
+    import types
+
+    import requests
+
+    from trl_fp8._trl import vllm_server_lora as vsl
+
+    asked = []
+
+    class Wedged:
+        def get(self, url, params=None, timeout=None):
+            asked.append(timeout)
+            raise requests.Timeout("read timed out")
+
+    generation = types.SimpleNamespace(vllm_client=types.SimpleNamespace(base_url="http://127.0.0.1:1", model="m"))
+    with pytest.raises(vsl.ServerError, match=r"the vLLM server at http://127.0.0.1:1 did not answer /server_info "
+                                              r"within 60 s"):
+        vsl.VLLMServerLoraStream(generation, lambda: iter(()), types.SimpleNamespace(adapter="default", rank=2),
+                                 http=Wedged())
+    assert asked == [vsl.CALL_TIMEOUT_S]

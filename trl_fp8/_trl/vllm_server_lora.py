@@ -134,9 +134,22 @@ class VLLMServerLoraStream(AdapterVersionStream):
         # set by the served-identity check: compares the base of a server that came back with the learner's again
         self.identity_recheck = None
         self._busy = 0  # inside a push or a restart: a lost server is theirs to handle
+        try:  # TRL's client asks without a timeout: a wedged server would hold the trainer here for ever
+            response = self.http.get(f"{self.url}/server_info", params={"config_format": "json"},
+                                     timeout=CALL_TIMEOUT_S)
+        except requests.Timeout:
+            raise ServerError(f"the vLLM server at {self.url} did not answer /server_info within "
+                              f"{CALL_TIMEOUT_S:.0f} s") from None
+        except requests.RequestException as err:
+            raise ServerError(f"the vLLM server at {self.url} cannot be reached for /server_info "
+                              f"({type(err).__name__}): is it still running?") from None
         try:
-            info = self.client.get_server_info()
-        except Exception as err:  # noqa: BLE001 - TRL's client raises RuntimeError or a bare Exception
+            if response.status_code == 404:
+                raise RuntimeError("no /server_info route: the development endpoints are off (VLLM_SERVER_DEV_MODE=1)")
+            if response.status_code != 200:
+                raise RuntimeError(f"{response.status_code}, {response.text}")
+            info = response.json()["vllm_config"]
+        except Exception as err:  # noqa: BLE001 - any answer that is not the server's configuration
             raise ValueError(f"the vLLM server at {self.url} is not a `trl-fp8 vllm-serve` server (its /server_info: "
                              f"{' '.join(str(err).split())[:200]}). Start it with `trl-fp8 vllm-serve --model "
                              f"{self.base_model} --lora_r {spec.rank}`.") from None
