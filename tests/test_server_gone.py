@@ -126,7 +126,12 @@ class _FakeServer:
         elif json["method"] == "trl_fp8_stage_adapter":
             results = [{"path": f"/srv/{method['name']}"} if method["op"] == "commit" else {}]
         elif json["method"] == "trl_fp8_lora_state":
-            results = [{"id": self.ids, "resident": list(self.resident)}]
+            from trl_fp8._trl.vllm_server_lora import encode_tensor
+
+            import torch
+
+            results = [{"id": self.ids, "resident": list(self.resident),
+                        "tensors": {n: encode_tensor(torch.zeros(2, 2)) for n in method.get("names", [])}}]
         answer = {"results": results} if results is not None else {}
 
         class Response:
@@ -230,3 +235,31 @@ def test_a_server_that_does_not_answer_its_configuration_is_said_in_one_line_not
         vsl.VLLMServerLoraStream(generation, lambda: iter(()), types.SimpleNamespace(adapter="default", rank=2),
                                  http=Wedged())
     assert asked == [vsl.CALL_TIMEOUT_S]
+
+
+def test_a_server_that_restarted_between_the_push_and_the_read_back_is_pushed_again_then_read(capsys):
+    """The server restarted and came back before any call failed: the read-back finds a fresh server (a newer id
+    counter, no version resident) and pushes the current version to it again before reading, instead of stopping."""
+    import collections
+    import types
+
+    import torch
+
+    from trl_fp8._trl import vllm_server_lora as vsl
+
+    stream = vsl.VLLMServerLoraStream.__new__(vsl.VLLMServerLoraStream)
+    server = _FakeServer(None)
+    stream.url, stream.http, stream.prefix, stream.dtype = "http://127.0.0.1:1", server, "trl_fp8-ab12-v", torch.float32
+    stream.base_model, stream.client = "m", types.SimpleNamespace(model="m")
+    stream.spec = types.SimpleNamespace(adapter="default", rank=2)
+    stream.current, stream.paths, stream.closed, stream._labels, stream._read = None, {}, False, {}, None
+    stream.pushes, stream.push_count, stream.last_sent, stream._busy = collections.deque(maxlen=8), 0, {}, 0
+    rechecked = []
+    stream.identity_recheck = lambda: rechecked.append(True)
+    names = ["base_model.model.layers.0.q_proj.lora_A.default.weight",
+             "base_model.model.layers.0.q_proj.lora_B.default.weight"]
+    stream.push(iter([(n, torch.full((2, 2), 1.0)) for n in names]), 3)
+    server.ids, server.resident, server.loaded = 100, [], {}  # restarted: a fresh server, nothing loaded
+    read = stream.read_back()
+    assert sorted(read) == sorted(names) and rechecked == [True]
+    assert stream.current[0] == "trl_fp8-ab12-v2" and stream.current[1] == 3 and server.resident == [stream.current[2]]

@@ -357,6 +357,11 @@ class VLLMServerLoraStream(AdapterVersionStream):
             return {}
         if self._read is None:
             state = self.worker_state(names=list(self.last_sent))
+            if state["id"] != self.current[2] and not state["resident"] and not self._busy:
+                # a server that restarted between the push and this read (and came back before anything noticed)
+                # holds no version: it is pushed the current one again, then read
+                self._after_restart(None)
+                state = self.worker_state(names=list(self.last_sent))
             if state["id"] != self.current[2]:
                 raise RuntimeError(f"the server's newest LoRA id is {state['id']}, the current version's "
                                    f"{self.current[2]}")
