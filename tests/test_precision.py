@@ -198,10 +198,13 @@ def test_a_colocated_engine_is_started_in_half_when_precision_chose_fp16(monkeyp
     ([], None, False),  # features unknown: nothing claimed
 ])
 def test_bf16_on_a_cpu_without_native_bf16_is_said_once(monkeypatch, caplog, features, bf16, warned):
+    import platform
+
     import trl_fp8.native as native
 
     _fake_cuda(monkeypatch)
     monkeypatch.setattr(native, "vector_extensions", lambda: features)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     with caplog.at_level(logging.WARNING, logger="trl_fp8.precision"):
         for _ in range(2):
             assert resolve_precision(_args(precision=None, bf16=bf16, use_cpu=True)) is None
@@ -212,10 +215,20 @@ def test_bf16_on_a_cpu_without_native_bf16_is_said_once(monkeypatch, caplog, fea
 
 
 def test_precision_bf16_asked_on_a_cpu_without_native_bf16_is_said(monkeypatch, caplog):
+    import platform
+
     import trl_fp8.native as native
 
     _fake_cuda(monkeypatch)
     monkeypatch.setattr(native, "vector_extensions", lambda: ["avx2"])
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     with caplog.at_level(logging.WARNING, logger="trl_fp8.precision"):
         assert resolve_precision(_args(precision="bf16", use_cpu=True)) == "bf16"
     assert any("without native bf16" in r.getMessage() for r in caplog.records)
+
+
+def test_no_claim_about_bf16_on_a_cpu_whose_features_it_does_not_read(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert precision.cpu_has_native_bf16() is None

@@ -88,15 +88,20 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-# The CPU features with which torch computes bf16 natively (x86: AVX512-BF16, AMX; Arm: the BF16 extension);
-# without one it emulates bf16 through fp32 conversions.
-CPU_BF16_FEATURES = ("avx512_bf16", "amx_bf16", "bf16")
+# The x86-64 CPU features with which torch computes bf16 natively (AVX512-BF16, AMX); without one it emulates bf16
+# through fp32 conversions.
+CPU_BF16_FEATURES = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_has_native_bf16() -> bool | None:
-    """Whether this CPU computes bf16 natively (None: its features cannot be read, e.g. no /proc/cpuinfo)."""
+    """Whether this CPU computes bf16 natively (None: not known — its features cannot be read, or it is not x86-64,
+    whose bf16 feature names this does not read)."""
+    import platform
+
     from .native import vector_extensions
 
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
     features = set(vector_extensions())
     if not features:
         return None
@@ -107,8 +112,9 @@ def _warn_emulated_cpu_bf16(args) -> None:
     """bf16 autocast on a CPU run (TRL's default ``bf16=True``, or asked) where the CPU has no native bf16: said once,
     with the way out. Measured on an AVX2-only CPU (AMD EPYC, 2 threads): SmolLM2-135M with LoRA r=16, 4 sequences of
     112 tokens, backward 88 s in bf16 against 2 s in fp32 (forward 7.7 s against 1.6 s)."""
-    on_cpu = _use_cpu(args) or (not cuda_devices() and _other_accelerator() is None)
-    if not on_cpu or args.bf16 is False or cpu_has_native_bf16() is not False:
+    if args.bf16 is False or cpu_has_native_bf16() is not False:
+        return
+    if not (_use_cpu(args) or (not cuda_devices() and _other_accelerator() is None)):
         return
     message = ("bf16 autocast on a CPU without native bf16 (no AVX512-BF16 or AMX here): torch emulates it, and a "
                "step is many times slower than in fp32 (a LoRA backward on SmolLM2-135M measured 40x slower on an "
