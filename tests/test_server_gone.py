@@ -143,12 +143,12 @@ class _FakeServer:
         return Response()
 
 
-@pytest.mark.parametrize("cut", ["/v1/unload_lora_adapter", "trl_fp8_stage_adapter:drop", "/v1/load_lora_adapter",
-                                 "trl_fp8_stage_adapter:commit", "trl_fp8_lora_state:"])
-def test_a_server_killed_anywhere_in_a_push_is_waited_for_compared_again_and_pushed_the_version_whole(cut, capsys):
-    """The connection cut mid-answer (requests' ChunkedEncodingError: it escaped the stream as a traceback when the
-    server was killed while the previous version was being dropped) — at each call of a push: the stream waits for the
-    server, compares its base again, and pushes the same version to it whole under a new name."""
+NAMES = ["base_model.model.layers.0.q_proj.lora_A.default.weight",
+         "base_model.model.layers.0.q_proj.lora_B.default.weight"]
+
+
+def _stream_to_a_fake_server():
+    """A server adapter stream talking to a :class:`_FakeServer`; ``rechecked`` records each identity re-check."""
     import collections
     import types
 
@@ -165,8 +165,19 @@ def test_a_server_killed_anywhere_in_a_push_is_waited_for_compared_again_and_pus
     stream.pushes, stream.push_count, stream.last_sent, stream._busy = collections.deque(maxlen=8), 0, {}, 0
     rechecked = []
     stream.identity_recheck = lambda: rechecked.append(True)
-    names = ["base_model.model.layers.0.q_proj.lora_A.default.weight",
-             "base_model.model.layers.0.q_proj.lora_B.default.weight"]
+    return stream, server, rechecked
+
+
+@pytest.mark.parametrize("cut", ["/v1/unload_lora_adapter", "trl_fp8_stage_adapter:drop", "/v1/load_lora_adapter",
+                                 "trl_fp8_stage_adapter:commit", "trl_fp8_lora_state:"])
+def test_a_server_killed_anywhere_in_a_push_is_waited_for_compared_again_and_pushed_the_version_whole(cut, capsys):
+    """The connection cut mid-answer (requests' ChunkedEncodingError: it escaped the stream as a traceback when the
+    server was killed while the previous version was being dropped) — at each call of a push: the stream waits for the
+    server, compares its base again, and pushes the same version to it whole under a new name."""
+    import torch
+
+    stream, server, rechecked = _stream_to_a_fake_server()
+    names = NAMES
     first = [(n, torch.full((2, 2), 1.0)) for n in names]
     second = [(n, torch.full((2, 2), 2.0)) for n in names]
     stream.push(iter(first), 1)
@@ -187,24 +198,10 @@ def test_a_server_lost_under_the_checks_read_back_is_pushed_the_version_again_an
     """Killed between pushes — under the checks' read-back of the slots or the digests after a generation: the read
     waits for the server, compares its base again, pushes the current version (the bytes the checks verified, same
     label) and reads the new server. (It stopped the run with "cannot be reached for /collective_rpc" before.)"""
-    import collections
-    import types
-
     import torch
 
-    from trl_fp8._trl import vllm_server_lora as vsl
-
-    stream = vsl.VLLMServerLoraStream.__new__(vsl.VLLMServerLoraStream)
-    server = _FakeServer(None)
-    stream.url, stream.http, stream.prefix, stream.dtype = "http://127.0.0.1:1", server, "trl_fp8-ab12-v", torch.float32
-    stream.base_model, stream.client = "m", types.SimpleNamespace(model="m")
-    stream.spec = types.SimpleNamespace(adapter="default", rank=2)
-    stream.current, stream.paths, stream.closed, stream._labels, stream._read = None, {}, False, {}, None
-    stream.pushes, stream.push_count, stream.last_sent, stream._busy = collections.deque(maxlen=8), 0, {}, 0
-    rechecked = []
-    stream.identity_recheck = lambda: rechecked.append(True)
-    names = ["base_model.model.layers.0.q_proj.lora_A.default.weight",
-             "base_model.model.layers.0.q_proj.lora_B.default.weight"]
+    stream, server, rechecked = _stream_to_a_fake_server()
+    names = NAMES
     stream.push(iter([(n, torch.full((2, 2), 1.0)) for n in names]), 7)
     server.cut = "trl_fp8_lora_state:"
     state = stream.worker_state()
@@ -240,24 +237,10 @@ def test_a_server_that_does_not_answer_its_configuration_is_said_in_one_line_not
 def test_a_server_that_restarted_between_the_push_and_the_read_back_is_pushed_again_then_read(capsys):
     """The server restarted and came back before any call failed: the read-back finds a fresh server (a newer id
     counter, no version resident) and pushes the current version to it again before reading, instead of stopping."""
-    import collections
-    import types
-
     import torch
 
-    from trl_fp8._trl import vllm_server_lora as vsl
-
-    stream = vsl.VLLMServerLoraStream.__new__(vsl.VLLMServerLoraStream)
-    server = _FakeServer(None)
-    stream.url, stream.http, stream.prefix, stream.dtype = "http://127.0.0.1:1", server, "trl_fp8-ab12-v", torch.float32
-    stream.base_model, stream.client = "m", types.SimpleNamespace(model="m")
-    stream.spec = types.SimpleNamespace(adapter="default", rank=2)
-    stream.current, stream.paths, stream.closed, stream._labels, stream._read = None, {}, False, {}, None
-    stream.pushes, stream.push_count, stream.last_sent, stream._busy = collections.deque(maxlen=8), 0, {}, 0
-    rechecked = []
-    stream.identity_recheck = lambda: rechecked.append(True)
-    names = ["base_model.model.layers.0.q_proj.lora_A.default.weight",
-             "base_model.model.layers.0.q_proj.lora_B.default.weight"]
+    stream, server, rechecked = _stream_to_a_fake_server()
+    names = NAMES
     stream.push(iter([(n, torch.full((2, 2), 1.0)) for n in names]), 3)
     server.ids, server.resident, server.loaded = 100, [], {}  # restarted: a fresh server, nothing loaded
     read = stream.read_back()

@@ -36,6 +36,16 @@ def _finish(proc, timeout):
             pass
 
 
+def _wait_for_a_step(proc, out):
+    """Until training has started (a step is logged); the run must still be going."""
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 1:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before the signal"
+
+
 def _checkpoints(out):
     from trl_fp8.checkpoints import check_complete
 
@@ -57,12 +67,7 @@ def test_a_sigterm_to_the_launcher_saves_and_exits_75(tmp_path):
     out = tmp_path / "run"
     proc = _launch(out, "--max_steps", "1000", "--time_budget", "10h")
     try:
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and time.monotonic() < deadline:  # training has started: a step is logged
-            if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 1:
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, "the run ended before the signal"
+        _wait_for_a_step(proc, out)
         proc.send_signal(signal.SIGTERM)  # to the launcher only, as Kubernetes signals a container's first process
         log = proc.communicate(timeout=300)[0]
     finally:
@@ -82,12 +87,7 @@ def test_a_launcher_killed_outright_stops_the_training_process_with_a_checkpoint
     out = tmp_path / "run"
     proc = _launch(out, "--max_steps", "1000", "--time_budget", "10h")
     try:
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and time.monotonic() < deadline:  # training has started: a step is logged
-            if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 1:
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, "the run ended before the signal"
+        _wait_for_a_step(proc, out)
         trainers = psutil.Process(proc.pid).children()
         assert len(trainers) == 1, trainers
         proc.kill()  # the launcher only
