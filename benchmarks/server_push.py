@@ -368,6 +368,9 @@ class StubClient:
                 return types.SimpleNamespace(status_code=200, text="", json=lambda: answer)
 
             def get(self, url, **_):
+                if url.endswith("/server_info"):
+                    return types.SimpleNamespace(status_code=200, text="",
+                                                 json=lambda: {"vllm_config": stub.get_server_info()})
                 return types.SimpleNamespace(status_code=200, json=lambda: {"data": [{"id": stub.model}]})
 
         self.session = Session()
