@@ -162,6 +162,7 @@ def _stream_to_a_fake_server():
     stream.base_model, stream.client = "m", types.SimpleNamespace(model="m")
     stream.spec = types.SimpleNamespace(adapter="default", rank=2)
     stream.current, stream.paths, stream.closed, stream._labels, stream._read = None, {}, False, {}, None
+    stream._id_labels, stream._watch_routes, stream._routes_taken = {}, True, None
     stream.pushes, stream.push_count, stream.last_sent, stream._busy = collections.deque(maxlen=8), 0, {}, 0
     rechecked = []
     stream.identity_recheck = lambda: rechecked.append(True)

@@ -487,13 +487,15 @@ def test_trl_trainer_syncs_adapters_and_never_merges(tmp_path, demo_dir, base):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("base,fault", [("16bit", None), ("4bit", None), ("16bit", "slot")])
+@pytest.mark.parametrize("base,fault", [("16bit", None), ("4bit", None), ("16bit", "slot"), ("16bit", "route")])
 def test_colocated_lora_versions_compare_the_base_first_and_the_slots_after_each_generation(tmp_path, demo_dir, base,
                                                                                             fault):
     """A LoRA run served as LoRA versions by the trainer's own decision (Fair Cast SR; a 4-bit base), default checks:
     the served identity compares the engine's base with the learner's before the first rollout (over a 4-bit base
     the engine holds the learner's dequant(W), loaded once), and a slot overwritten between the sync's checks and
-    the rollouts is caught at that step, naming the factor."""
+    the rollouts is caught at that step, naming the factor; so is a misrouted slot (the engine's per-token slot
+    indices point the tokens of a request that names the current version at no slot: the request, the slot and its
+    factors all say the right version)."""
     from peft import LoraConfig
 
     import trl_fp8
@@ -535,10 +537,28 @@ def test_colocated_lora_versions_compare_the_base_first_and_the_slots_after_each
                 trainer.train()
             assert info.value.check == "freshness" and "after the rollouts of step 0" in str(info.value)
             assert f"'{name}' is not what the sync at step 0 sent" in str(info.value)
+        elif fault == "route":
+            from trl_fp8._trl.vllm_routing import language_punica_wrapper
+
+            manager = monitor.sampler.lora.manager
+            build = manager._set_adapter_mapping
+
+            def misroute(mapping):  # the per-token slots built wrong, after the build: the bare base computes
+                build(mapping)
+                wrapper = language_punica_wrapper(manager)
+                wrapper.token_lora_indices.fill_(-1)
+
+            manager._set_adapter_mapping = misroute
+            with pytest.raises(trl_fp8.WeightSyncError) as info:
+                trainer.train()
+            message = str(info.value)
+            assert info.value.check == "freshness" and "at step 0" in message and "misrouted slot" in message, message
+            assert "(adapter version 0) read the slot of no adapter (the bare base)" in message, message
         else:
             trainer.train()
             assert not monitor.failures and monitor.compared["recipe_parity"] == 2  # identity + the first sync's
-            assert monitor.compared["freshness"] >= 4  # the syncs' read-backs and the digests after each generation
+            assert monitor.compared["freshness"] >= 6  # the syncs' read-backs, the digests and the routes after each
+            # generation
     finally:
         trainer.vllm_generation.llm = None
         from trl_fp8 import _trl
@@ -572,6 +592,22 @@ def test_the_vllm_lora_internals_we_rely_on_exist():
         LRUCacheLoRAModelManager, m)]
     if "self.lora_manager = " not in inspect.getsource(LoRAModelRunnerMixin.load_lora_model):
         moved.append("model_runner.lora_manager")
+    # the slot each token reads (trl_fp8._trl.vllm_routing): the per-forward mapping call, the slot layout and the
+    # language model's punica wrapper with its per-token slot indices
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    moved += [f"LRUCacheLoRAModelManager.{m}" for m in ("set_adapter_mapping", "_set_adapter_mapping") if not hasattr(
+        LRUCacheLoRAModelManager, m)]
+    if "self._adapter_manager.set_adapter_mapping(mapping)" not in inspect.getsource(
+            WorkerLoRAManager.set_active_adapters):
+        moved.append("WorkerLoRAManager.set_active_adapters -> set_adapter_mapping")
+    manager_source = inspect.getsource(LoRAModelManager)
+    moved += [f"LoRAModelManager.{a}" for a in ("lora_index_to_id", "punica_wrapper_mapping", "_last_mapping")
+              if f"self.{a}" not in manager_source]
+    if not isinstance(inspect.getattr_static(PunicaWrapperBase, "token_lora_indices"), property):
+        moved.append("PunicaWrapperBase.token_lora_indices")
     assert not moved, moved
     from trl_fp8 import sampling
 

@@ -65,11 +65,14 @@ def server(tmp_path_factory):
     log = folder / "server.log"
     why_not = _private_namespaces()
     marker = f"trainer-only-{os.getpid()}-smollm2"
+    # its workers: trl-fp8's extension + one switch for faults inside the server (tests/vllm_faults.py), off unless a
+    # test turns it on
+    serve = [*_serve_cmd(port, SMOLLM2_TASK[0]), "--", "--worker-extension-cls", "tests.vllm_faults.FaultWorker"]
     if why_not is None:
         open(f"/dev/shm/{marker}", "w").close()
-        proc = _private_server(_serve_cmd(port, SMOLLM2_TASK[0]), log, marker)
+        proc = _private_server(serve, log, marker)
     else:
-        proc = _start_server(_serve_cmd(port, SMOLLM2_TASK[0]), log)
+        proc = _start_server(serve, log)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait(proc, base, log)
@@ -300,7 +303,8 @@ def test_the_serving_version_reloaded_in_place_is_caught_at_the_step_whose_rollo
 
 def _start_server(cmd: list[str], log: Path, prefix: list[str] = ()):
     with open(log, "w") as out:
-        proc = subprocess.Popen([*prefix, *cmd], env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=out,
+        proc = subprocess.Popen([*prefix, *cmd], env={**_env(), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)},
+                                stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # its engine core in its group
     return proc
 
@@ -369,6 +373,29 @@ def _grpo(port: int, out: Path, steps: int, *extra: str, task=SMOLLM2_TASK) -> l
 
 def _length_reward(completions, **kwargs):  # varies within a group on an untrained model: the adapters move
     return [float(len(str(c))) / 50 for c in completions]
+
+
+@pytest.mark.vllm
+def test_a_misrouted_slot_on_the_server_is_caught_at_the_step_whose_rollouts_it_touched(server, tmp_path):
+    """Inside the server's workers the per-token LoRA slot indices are built wrong (every token at "no slot"): each
+    request still names the current version, the version is in its slot, the slot holds the pushed factors — the
+    per-request version, the read-back and the slot digests all pass. The slot each token read, compared with its
+    request's adapter in the workers, stops the run at that step, naming both."""
+    import trl_fp8
+
+    base, port, proc, _ = server
+    trainer = _lora_trainer(port, tmp_path)
+    _post(f"{base}/collective_rpc", {"method": "trl_fp8_test_fault", "args": [json.dumps({"misroute": True})]})
+    try:
+        with pytest.raises(trl_fp8.WeightSyncError) as info:
+            trainer.train()
+    finally:
+        _post(f"{base}/collective_rpc", {"method": "trl_fp8_test_fault", "args": [json.dumps({"misroute": False})]})
+    message = str(info.value)
+    assert info.value.check == "freshness" and "at step 0" in message and "misrouted slot" in message, message
+    assert "(adapter version 0) read the slot of no adapter (the bare base)" in message, message
+    trainer.offer().sampler.lora.close()
+    assert proc.poll() is None and _serves(base)
 
 
 @pytest.mark.vllm

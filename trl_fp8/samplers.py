@@ -116,6 +116,19 @@ class Sampler:
         """A round of checks begins: nothing read before it may be reused (a sampler that reads remotely forgets
         what it read)."""
 
+    def watch_routes(self) -> None:
+        """Start observing which LoRA slot each token is computed with (before the first rollout), where the sampler
+        serves LoRA versions; a no-op elsewhere."""
+
+    def served_routes(self) -> dict | None:
+        """Tokens computed since the last call against the LoRA slots their requests named
+        (:meth:`trl_fp8._trl.vllm_routing.RouteGuard.take`), then forgotten; None where not observed."""
+        return None
+
+    def route_label(self, lora_id: int):
+        """The adapter version an engine LoRA id serves (None: none the learner pushed)."""
+        return None
+
     def served_digests(self, names: Iterable[str]) -> dict[str, str] | None:
         """The digests (:func:`trl_fp8.digest.tensor_digest`) of what the sampler computes with now, by learner name
         — computed where it lives; None where it cannot say. The checks compare them with the last sync's after each
@@ -353,6 +366,15 @@ class AdapterVersions:
 
     def rollout_versions(self):
         return self.lora.rollout_versions()
+
+    def watch_routes(self):
+        self.lora.watch_routes()
+
+    def served_routes(self):
+        return self.lora.routes()
+
+    def route_label(self, lora_id):
+        return self.lora.label_of(lora_id)
 
 
 class VLLMLoraSampler(AdapterVersions, Sampler):

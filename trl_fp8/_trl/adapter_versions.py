@@ -53,6 +53,19 @@ class AdapterVersionStream:
         self.generated[version] += n
         self._unread[version] += n
 
+    # -- which LoRA slot each token read (:mod:`trl_fp8._trl.vllm_routing`) ------------------------------------------
+    def watch_routes(self) -> None:
+        """Observe, from now on, the LoRA slot each token the engine computes reads (before the first rollout)."""
+
+    def routes(self) -> dict | None:
+        """The tokens computed since the last call against their requests' slots, then forgotten; None: not
+        observed."""
+        return None
+
+    def label_of(self, lora_id: int):
+        """The version label an engine LoRA id was pushed under (None: not one this stream pushed)."""
+        return None
+
     def rollout_versions(self) -> collections.Counter:
         """The versions the rollouts finished since the last call were generated with (None: the bare base; a
         label this stream never pushed says so), and how many of each; then forgets them."""

@@ -199,6 +199,7 @@ class VLLMLoraStream(AdapterVersionStream):
         self.base_pushed: list[str] = []  # dense base weights loaded once (push_base), by vLLM name
         self._ids = itertools.count(1)
         self._versions: dict[int, object] = {}  # LoRA int id -> version label
+        self._routes = None  # the manager's RouteGuard, once the checks watch it
 
     @classmethod
     def install(cls, generation, stream, spec, version_fn=None) -> VLLMLoraStream:
@@ -218,6 +219,17 @@ class VLLMLoraStream(AdapterVersionStream):
         generation.sync_weights = lora.sync
         lora._hook_engine()
         return lora
+
+    def watch_routes(self) -> None:
+        from .vllm_routing import RouteGuard
+
+        self._routes = RouteGuard.install(self.manager)
+
+    def routes(self):
+        return None if self._routes is None else self._routes.take()
+
+    def label_of(self, lora_id):
+        return self._versions.get(lora_id)
 
     # -- the push ------------------------------------------------------------------------------------------------
     @torch.no_grad()

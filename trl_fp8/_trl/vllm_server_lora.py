@@ -130,6 +130,9 @@ class VLLMServerLoraStream(AdapterVersionStream):
         self.paths: dict[str, str] = {}  # served name -> its folder on the server's machine
         self.closed = False
         self._labels: dict[str, object] = {}  # served name -> version label
+        self._id_labels: dict[int, object] = {}  # the server's LoRA id -> version label
+        self._watch_routes = False  # the checks observe which slot each token reads (every state request says so)
+        self._routes_taken = None  # the routes the last digests request read, for routes()
         self._read: tuple | None = None  # (name, {PEFT name: tensor}) of the last read-back
         # set by the served-identity check: compares the base of a server that came back with the learner's again
         self.identity_recheck = None
@@ -268,6 +271,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
         self.paths[name] = folder
         state = self.worker_state(keep_latest=True)
         previous, self.current = self.current, (name, version, state["id"])
+        self._id_labels[state["id"]] = version
         self.client.model = name  # every generate request asks for this version from now on
         self.pushes.append((name, version, state["id"]))
         self._labels = {n: v for n, v, _ in self.pushes}  # the recent versions' labels, to name a stale one
@@ -328,12 +332,13 @@ class VLLMServerLoraStream(AdapterVersionStream):
                               f"(--worker-extension-cls {WORKER_EXTENSION})")
         return results
 
-    def worker_state(self, keep_latest: bool = False, names=None, digests: bool = False) -> dict:
+    def worker_state(self, keep_latest: bool = False, names=None, digests: bool = False, routes: bool = False) -> dict:
         """What the server's workers hold (one answer per worker, which must agree): the newest LoRA id, the ids
         resident, and with ``names`` the newest version's factors under those PEFT names as its LoRA kernels read
-        them (its slot buffers), or with ``digests`` their digests only."""
+        them (its slot buffers), or with ``digests`` their digests only; with ``routes`` the tokens computed since
+        the last such request against their requests' slots (:mod:`trl_fp8._trl.vllm_routing`, every worker's)."""
         request = {"keep_latest": keep_latest, "names": list(names or ()), "adapter": self.spec.adapter,
-                   "digests": digests}
+                   "digests": digests, "watch_routes": self._watch_routes, "routes": routes}
         try:
             results = self._rpc("trl_fp8_lora_state", request)
         except ServerError as err:
@@ -347,6 +352,10 @@ class VLLMServerLoraStream(AdapterVersionStream):
         first = results[0]
         if any(r["id"] != first["id"] or r["resident"] != first["resident"] for r in results[1:]):
             raise RuntimeError(f"the vLLM server's workers disagree on the LoRA versions they hold: {results!r:.300}")
+        if routes:
+            from .vllm_routing import merge
+
+            first["routes"] = merge(r.get("routes") for r in results)
         return first
 
     def read_back(self) -> dict[str, torch.Tensor]:
@@ -377,10 +386,23 @@ class VLLMServerLoraStream(AdapterVersionStream):
         (16 bytes a factor over HTTP, not the factors)."""
         if self.current is None:
             return {}
-        state = self.worker_state(names=list(names), digests=True)
+        state = self.worker_state(names=list(names), digests=True, routes=self._watch_routes)
+        self._routes_taken = state.get("routes")
         if state["id"] != self.current[2]:
             return {n: f"the server's newest LoRA id {state['id']}, not {self.current[2]}" for n in names}
         return state["digests"]
+
+    def watch_routes(self) -> None:
+        self._watch_routes = True  # the workers install their guard at the next state request (the first push's)
+
+    def routes(self):
+        if not self._watch_routes or self.current is None:
+            return None
+        taken, self._routes_taken = self._routes_taken, None
+        return taken if taken is not None else self.worker_state(routes=True)["routes"]
+
+    def label_of(self, lora_id):
+        return self._id_labels.get(lora_id)
 
     def identity(self, names) -> dict:
         """The served identity of the server's base under the learner's names
@@ -397,6 +419,7 @@ class VLLMServerLoraStream(AdapterVersionStream):
         if self.current is not None:
             self.current = (self.current[0], version, self.current[2])
             self._labels[self.current[0]] = version
+            self._id_labels[self.current[2]] = version
 
     # -- the client's side -----------------------------------------------------------------------------------------
     def _hook_client(self) -> None:

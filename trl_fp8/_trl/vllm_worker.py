@@ -6,7 +6,9 @@ LoRA id the worker holds and every id resident in its cache; with ``keep_latest`
 (vLLM's API server only forgets an unloaded name; its workers would keep it in their cache) and moves the newest into
 a slot (what its first request would do); with ``names`` (PEFT factor names) it returns the newest version's factors
 under those names *as the LoRA kernels read them* — the slot buffers, not the registered copy — for the weight-sync
-checks to compare bitwise, or with ``digests`` only their digests (:func:`trl_fp8.digest.tensor_digest`).
+checks to compare bitwise, or with ``digests`` only their digests (:func:`trl_fp8.digest.tensor_digest`); with
+``watch_routes`` it observes from then on which LoRA slot each token reads, and with ``routes`` it answers what it
+observed since the last such request (:mod:`trl_fp8._trl.vllm_routing`).
 
 ``trl_fp8_stage_adapter(request)``: an adapter version sent as bytes (:mod:`trl_fp8._trl.adapter_staging`): ``op``
 ``chunk`` (``name``, ``offset``, base64 ``data``, total ``size``), ``commit`` (``size``, ``sha256``, the adapter's
@@ -34,8 +36,12 @@ class AdapterWorker:
         from .vllm_lora import _locate, peft_to_vllm_name, slot_factor
         from .vllm_server_lora import encode_tensor
 
+        from .vllm_routing import RouteGuard
+
         request = json.loads(request)
         manager = self._trl_fp8_manager()
+        if request.get("watch_routes"):
+            RouteGuard.install(manager)  # from the first push on: which slot each token reads
         ids = sorted(manager.list_adapters())
         latest = ids[-1] if ids else None
         if request.get("keep_latest") and latest is not None:
@@ -46,6 +52,10 @@ class AdapterWorker:
             manager.activate_adapter(latest)  # into a slot, as the first request for it would
         out = {"id": latest, "resident": ids, "slots": [i for i in manager.lora_index_to_id if i is not None],
                "tensors": {}, "digests": {}}
+        if request.get("routes"):
+            guard = getattr(manager, RouteGuard.ATTR, None)
+            out["routes"] = guard.take() if guard is not None else \
+                {"tokens": 0, "unreadable": "this worker was never asked to watch its LoRA slots (watch_routes)"}
         names = request.get("names") or []
         if names and latest is not None:
             adapter = request.get("adapter", "default")

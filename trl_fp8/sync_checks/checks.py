@@ -175,6 +175,37 @@ def served_after_rollouts(step: int, synced_step: int, sent: dict[str, str], ser
     return CheckResult("freshness", True)
 
 
+def rollout_routing(step: int, routes: dict | None, label=None) -> CheckResult:
+    """Part of freshness, per token: every token the engine computed since the last call read the LoRA slot that holds
+    the adapter its request named (``routes``: :meth:`trl_fp8._trl.vllm_routing.RouteGuard.take`, None: the sampler
+    does not observe it). ``label(lora_id)``: the version an engine LoRA id serves (None if unknown; 0 is no
+    adapter). A stale slot mapping decodes a request with another adapter or none while the request names the right
+    one — every per-request and per-tensor comparison passes."""
+    if routes is None:
+        return CheckResult("freshness", True, "the sampler does not report its tokens' LoRA slots", applicable=False)
+    if routes.get("unreadable"):
+        return CheckResult("freshness", True, routes["unreadable"], applicable=False)
+    tokens, wrong = int(routes.get("tokens") or 0), int(routes.get("misrouted") or 0)
+    if not tokens:
+        return CheckResult("freshness", True, "no forward with a LoRA mapping since the last check", applicable=False)
+    if wrong:
+        def named(lora_id):
+            if not lora_id:
+                return "no adapter (the bare base)"
+            version = label(lora_id) if label is not None else None
+            return f"LoRA id {lora_id}" + (f" (adapter version {version!r})" if version is not None else
+                                            " (no version the learner pushed)")
+
+        example = routes.get("example") or [None, None]
+        detail = (f"; e.g. a token whose request named {named(example[0])} read the slot of {named(example[1])}"
+                  if example[0] is not None else "")
+        return CheckResult("freshness", False, f"at step {step}, {wrong} of {tokens} tokens the engine computed read "
+                                               f"a LoRA slot other than the one holding their request's adapter (a "
+                                               f"misrouted slot: its per-token slot indices disagree with its slot "
+                                               f"layout){detail}", {"tokens_misrouted": float(wrong)})
+    return CheckResult("freshness", True, metrics={"tokens_routed": float(tokens)})
+
+
 def rollout_versions(step: int, synced, generated: dict) -> CheckResult:
     """Part of freshness, per rollout: every request that finished since the last call was generated with the
     adapter version the learner synced (``synced``, e.g. its step). ``generated``: version -> finished requests, as

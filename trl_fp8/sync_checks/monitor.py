@@ -110,6 +110,8 @@ class SyncMonitor:
         self.failures: list[C.CheckResult] = []
         self.verified: bool | None = None  # the last sync verified bitwise by freshness (None: not checked)
         self._sent_digests: tuple[int, dict[str, str]] | None = None  # (step, digests) of the last verified sync
+        if "freshness" in self.checks:
+            sampler.watch_routes()  # before the first rollout: which LoRA slot each token reads
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -305,6 +307,9 @@ class SyncMonitor:
             if sent is not None:
                 self.sampler.begin_round()
                 self.report(C.served_after_rollouts(step, sent[0], sent[1], self.sampler.served_digests(sent[1])))
+            routes = self.sampler.served_routes()
+            if routes is not None:
+                self.report(C.rollout_routing(step, routes, self.sampler.route_label))
 
     def logprob_due(self) -> bool:
         """Call once per generation: whether ``logprob_agreement`` runs on it."""
