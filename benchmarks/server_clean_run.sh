@@ -58,12 +58,14 @@ import sys
 rows = [json.loads(line) for line in open(sys.argv[2]) if line.strip()]
 steps = [r for r in rows if "loss" in r]
 checks = [(k, v) for r in steps for k, v in r.items() if k.startswith("sync/") and not
-          k.startswith(("sync/logp_", "sync/is_ratio", "sync/identity")) and v in (0.0, 1.0)]
+          k.startswith(("sync/logp_", "sync/is_ratio", "sync/identity", "sync/tokens_")) and v in (0.0, 1.0)]
 failed = sum(1 for _, v in checks if v == 0.0)
 names = sorted({k.removeprefix("sync/") for k, v in checks if v == 1.0})
 print(f"checks that compared and passed: {', '.join(names)}")
 gaps = [r["sync/logp_gap_mean"] for r in steps if r.get("sync/logp_gap_mean") is not None]
 if gaps:
     print(f"logprob gap (mean a token) over {len(gaps)} evaluations: max {max(gaps):.4f}")
+routed = [r["sync/tokens_routed"] for r in steps if r.get("sync/tokens_routed")]
+print(f"tokens whose LoRA slot was compared with their request's adapter: {sum(routed):.0f} on {len(routed)} steps")
 print(f"server_clean_run: exit {sys.argv[1]}, {len(steps)} steps, {failed} checks failed, {len(checks)} comparisons")
 EOF

@@ -128,6 +128,8 @@ def test_grpo_pushes_adapter_versions_to_the_server_and_every_check_compares(ser
             "differential_oracle"} <= compared, compared
     assert not any(v == 0.0 for r in steps for k, v in r.items() if k.startswith("sync/") and not
                    k.startswith(("sync/logp", "sync/is_ratio"))), steps
+    # the server's workers compared every token's LoRA slot with its request's adapter, every step
+    assert all(r.get("sync/tokens_routed", 0) > 0 for r in steps), steps
     assert proc.poll() is None and _serves(base)  # the run ended cleanly and the server keeps serving
     if shm:  # the trainer writes nothing there (versions travel as bytes); the server keeps no version of the run
         assert not [n for n in set(os.listdir("/dev/shm")) - shm if n.startswith("trl_fp8_adapters_")]

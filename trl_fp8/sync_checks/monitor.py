@@ -185,7 +185,7 @@ class SyncMonitor:
         self.compared[result.check] = self.compared.get(result.check, 0) + 1
         self.record(f"sync/{result.check}", 1.0 if result.passed else 0.0)
         for key, value in result.metrics.items():
-            if key.startswith(("logp_", "is_ratio_")):
+            if key.startswith(("logp_", "is_ratio_", "tokens_")):  # the gap, the ratio, the tokens routed
                 self.record(f"sync/{key}", float(value))
         if result.passed:
             return
