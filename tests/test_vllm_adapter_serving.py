@@ -72,8 +72,8 @@ def _assert_every_check_compared(trainer):
     assert compared == set(trl_fp8.sync_checks.CHECKS), monitor.summary()  # passed = compared something
     assert monitor.not_applicable == {}, monitor.summary()
     # freshness: each sync (the engine's slots) and each generation (the version every rollout was generated with,
-    # and the digests of the slots the kernels read after the rollouts)
-    assert monitor.compared["coverage"] == STEPS and monitor.compared["freshness"] == 3 * STEPS
+    # the digests of the slots the kernels read after the rollouts, and the slot every token read)
+    assert monitor.compared["coverage"] == STEPS and monitor.compared["freshness"] == 4 * STEPS
     return monitor
 
 
