@@ -3,7 +3,8 @@
 Split by what it adapts — ``trainer`` (TRL's trainer internals), ``checkpoint`` (TRL's and transformers' checkpoint
 internals), ``vllm_engine`` (TRL's vLLM generation and the colocated engine), ``vllm_lora`` (LoRA versions pushed
 to a colocated engine, imported on first use), ``vllm_server_lora`` (adapter versions pushed to a ``trl-fp8
-vllm-serve`` server, imported on first use), ``vllm_worker`` (the worker extension such a server starts with),
+vllm-serve`` server, imported on first use), ``vllm_routing`` (the LoRA slot each token reads, against its
+request's adapter), ``vllm_worker`` (the worker extension such a server starts with),
 ``cli`` (TRL's command line) and ``contract`` (what is pinned) — and re-exported here: callers use
 ``trl_fp8._trl.<name>``.
 
