@@ -54,7 +54,10 @@ def test_tokens_read_the_slots_of_their_requests_adapters():
     guard = RouteGuard.install(manager)
     manager.set_adapter_mapping(_mapping(5, 5, 6, 0))
     manager.set_adapter_mapping(_mapping(6, 0))
-    assert guard.take() == {"tokens": 6, "forwards": 2, "misrouted": 0, "example": None}
+    copied = guard._wanted_ids
+    manager.set_adapter_mapping(_mapping(6, 0))  # a decoding batch keeps its mapping: its ids are not copied again
+    assert guard._wanted_ids is copied
+    assert guard.take() == {"tokens": 8, "forwards": 3, "misrouted": 0, "example": None}
     assert guard.take()["tokens"] == 0  # read once, then forgotten
     assert RouteGuard.install(manager) is guard  # installed once per manager
 

@@ -9,7 +9,8 @@ the read-back and the slot digests all pass.
 
 :class:`RouteGuard` wraps one LoRA manager's ``set_adapter_mapping`` (called before every forward): after it, each
 token's slot is looked up in the slot layout and compared with the id its request named, on the device that holds
-the indices, counted there (no host sync per forward); :meth:`RouteGuard.take` reads the counts once per generation.
+the indices, counted there (no host sync per forward; the requested ids are copied there only when the mapping
+changes, as vLLM's own build is); :meth:`RouteGuard.take` reads the counts once per generation.
 The colocated engine's stream installs it on its manager; a ``trl-fp8 vllm-serve`` worker on its own at the first
 state request (before the first version is pushed).
 """
@@ -52,6 +53,7 @@ class RouteGuard:
         self.manager = manager
         self._tables: dict[tuple, torch.Tensor] = {}  # slot layout -> LoRA id by slot index (+ 0 for "no slot")
         self.unreadable = ""  # why the indices could not be read (the guard then says so instead of passing)
+        self._wanted_key, self._wanted_ids = None, None  # the last mapping's requested ids, on the indices' device
         self._reset(None)
 
     @classmethod
@@ -86,6 +88,14 @@ class RouteGuard:
             self._tables = {key: table}  # one layout at a time: a new one replaces the old
         return table
 
+    def _wanted(self, requested: tuple, device) -> torch.Tensor:
+        """The requested ids on ``device``, copied only when the mapping changed (a decoding batch keeps its mapping
+        from one forward to the next, and a copy to a GPU waits for the work queued before it)."""
+        if self._wanted_key != (requested, str(device)):
+            self._wanted_key = (requested, str(device))
+            self._wanted_ids = torch.tensor(requested, dtype=torch.int64, device=device)
+        return self._wanted_ids
+
     @torch.no_grad()
     def observe(self, mapping) -> None:
         """After the metadata for one forward was set: compare every token's slot with its request's LoRA id."""
@@ -105,7 +115,7 @@ class RouteGuard:
         if self._bad is None or self._bad.device != slots.device:
             self._reset(slots.device)
         served = self._table(tuple(self.manager.lora_index_to_id), slots.device)[slots]
-        wanted = torch.tensor(requested, dtype=torch.int64, device=slots.device)
+        wanted = self._wanted(requested, slots.device)
         bad = served != wanted
         self._bad += bad.sum()
         torch.maximum(self._example, torch.where(bad, wanted * _SHIFT + served, -1).max(), out=self._example)
