@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-_NO_SLOT = -1
 _SHIFT = 1 << 31  # LoRA int ids are positive int32 values: (requested, served) packed into one int64
 
 

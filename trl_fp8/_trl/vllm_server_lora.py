@@ -271,10 +271,10 @@ class VLLMServerLoraStream(AdapterVersionStream):
         self.paths[name] = folder
         state = self.worker_state(keep_latest=True)
         previous, self.current = self.current, (name, version, state["id"])
-        self._id_labels[state["id"]] = version
         self.client.model = name  # every generate request asks for this version from now on
         self.pushes.append((name, version, state["id"]))
         self._labels = {n: v for n, v, _ in self.pushes}  # the recent versions' labels, to name a stale one
+        self._id_labels = {i: v for _, v, i in self.pushes}  # and by the server's LoRA id, to name a misrouted slot
         if previous is not None:
             self._unload(previous[0])
         self._read = None
