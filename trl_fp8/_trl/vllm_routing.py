@@ -38,9 +38,7 @@ def language_punica_wrapper(manager):
         pass
     mm = getattr(manager, "mm_mapping", None)
     language = getattr(mm, "language_model", None) if mm is not None else None
-    if language and language[0] in by_prefix:
-        return by_prefix[language[0]]
-    return next(iter(by_prefix.values()), None) if len(by_prefix) == 1 else None
+    return by_prefix.get(language[0]) if language else None
 
 
 class RouteGuard:
@@ -50,7 +48,7 @@ class RouteGuard:
 
     def __init__(self, manager):
         self.manager = manager
-        self._tables: dict[tuple, torch.Tensor] = {}  # slot layout -> LoRA id by slot index (+ 0 for "no slot")
+        self._table_key, self._table_ids = None, None  # the slot layout's LoRA id by slot index (+ 0: "no slot")
         self.unreadable = ""  # why the indices could not be read (the guard then says so instead of passing)
         self._wanted_key, self._wanted_ids = None, None  # the last mapping's requested ids, on the indices' device
         self._reset(None)
@@ -79,13 +77,13 @@ class RouteGuard:
         self._example = None if device is None else torch.full((), -1, dtype=torch.int64, device=device)
 
     def _table(self, layout: tuple, device) -> torch.Tensor:
-        key = (layout, str(device))
-        table = self._tables.get(key)
-        if table is None:
-            # index -1 (no slot) reads the last entry: id 0, what a request without an adapter names
-            table = torch.tensor([0 if i is None else int(i) for i in layout] + [0], dtype=torch.int64, device=device)
-            self._tables = {key: table}  # one layout at a time: a new one replaces the old
-        return table
+        """The LoRA id each slot holds, on ``device``, built again only when the layout changed; index -1 (no slot)
+        reads the last entry: id 0, what a request without an adapter names."""
+        if self._table_key != (layout, str(device)):
+            self._table_key = (layout, str(device))
+            self._table_ids = torch.tensor([0 if i is None else int(i) for i in layout] + [0], dtype=torch.int64,
+                                           device=device)
+        return self._table_ids
 
     def _wanted(self, requested: tuple, device) -> torch.Tensor:
         """The requested ids on ``device``, copied only when the mapping changed (a decoding batch keeps its mapping
